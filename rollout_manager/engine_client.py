@@ -1,0 +1,166 @@
+"""The engine client: one async client for SGLang's native HTTP API.
+
+The same code talks to real SGLang servers, to the embedded engine and to sglang-router
+(which forwards ``/generate``). Payload field names are SGLang's (``srt/managers/io_struct.py``).
+It is built on aiohttp: under high concurrency it sustains several thousand requests/s on two
+cores, where httpx manages a few hundred (ENVIRONMENT.md, bench/rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an HTTP error, or could not be reached."""
+
+    def __init__(self, url: str, status: int | None, body: str):
+        self.url, self.status, self.body = url, status, body
+        super().__init__(f"{url}: HTTP {status}: {body[:500]}" if status is not None else f"{url}: {body}")
+
+
+class EngineClient:
+    """Async client for one SGLang-compatible server (an engine or the router).
+
+    Create it inside a running event loop. ``timeout`` bounds every request (seconds, None = no
+    bound). Pass a shared ``session`` to pool connections across clients; else one is owned.
+    """
+
+    def __init__(self, base_url: str, timeout: float | None = None,
+                 session: aiohttp.ClientSession | None = None):
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.startswith("http"):
+            self.base_url = "http://" + self.base_url
+        self._owns_session = session is None
+        self._session = session or new_session()
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def close(self) -> None:
+        if self._owns_session:
+            await self._session.close()
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def request(self, method: str, path: str, payload: dict | None = None,
+                      timeout: float | None = None) -> Any:
+        """Send one request; return the decoded JSON (or text) body; raise EngineError on failure."""
+        url = self.base_url + path
+        t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self._timeout
+        try:
+            async with self._session.request(method, url, json=payload, timeout=t) as resp:
+                body = await resp.read()
+                if resp.status >= 400:
+                    raise EngineError(url, resp.status, body.decode("utf-8", "replace"))
+                if resp.content_type == "application/json":
+                    return await resp.json(loads=_loads)
+                text = body.decode("utf-8", "replace")
+                return text
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise EngineError(url, None, f"{type(e).__name__}: {e}") from e
+
+    # --- generation ------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
+                       sampling_params: dict | None = None, return_logprob: bool = True,
+                       rid: str | None = None, timeout: float | None = None) -> dict:
+        """POST /generate. Returns SGLang's response: ``text``, ``output_ids``, ``meta_info``."""
+        payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            payload["input_ids"] = input_ids
+        if text is not None:
+            payload["text"] = text
+        if rid is not None:
+            payload["rid"] = rid
+        return await self.request("POST", "/generate", payload, timeout)
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        return await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        return await self.request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> Any:
+        return await self.request("POST", "/flush_cache")
+
+    # --- weights ---------------------------------------------------------------------------
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout: float | None = None) -> dict:
+        return await self.request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: str | None = None,
+                                              flush_cache: bool = True, load_format: str | None = None,
+                                              timeout: float | None = None) -> dict:
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self.request("POST", "/update_weights_from_distributed", payload, timeout)
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict:
+        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       timeout: float | None = None) -> dict:
+        payload: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self.request("POST", "/update_weights_from_disk", payload, timeout)
+
+    async def get_weight_version(self) -> str:
+        out = await self.request("GET", "/get_weight_version")
+        return out["weight_version"] if isinstance(out, dict) else str(out)
+
+    # --- health and info -------------------------------------------------------------------
+    async def health(self, timeout: float | None = 5.0) -> bool:
+        try:
+            await self.request("GET", "/health", timeout=timeout)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self, timeout: float | None = 30.0) -> bool:
+        try:
+            await self.request("GET", "/health_generate", timeout=timeout)
+            return True
+        except EngineError:
+            return False
+
+    async def model_info(self) -> dict:
+        return await self.request("GET", "/model_info")
+
+    async def server_info(self) -> dict:
+        return await self.request("GET", "/server_info")
+
+
+def new_session(limit: int = 0) -> aiohttp.ClientSession:
+    """A session for many concurrent requests (``limit=0``: no cap on pooled connections)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300),
+                                 json_serialize=_dumps)
+
+
+try:  # orjson comes with sglang-router; it is several times faster on token-id lists
+    import orjson
+
+    def _dumps(obj: Any) -> str:
+        return orjson.dumps(obj).decode()
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover
+    import json
+
+    _dumps, _loads = json.dumps, json.loads
