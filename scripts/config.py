@@ -1,0 +1,71 @@
+"""``--config FILE.yaml``: defaults for any flag; the command line overrides them.
+
+Keys are flag names without the leading dashes, with ``-`` or ``_`` (``rollout-batch-size`` or
+``rollout_batch_size``). An unknown key, or a value of the wrong type, is an error that names
+the file, the line and the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """Read ``path`` and return ``{dest: value}`` for ``parser.set_defaults``, checked per key."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    text = file.read_text()
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values at the top level")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"--config {path}, line {lines.get(key, '?')}"
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None or dest in ("config", "help"):
+            raise ValueError(f"{where}: unknown flag '--{str(key).lstrip('-').replace('_', '-')}'")
+        out[dest] = _coerce(action, value, where)
+    return out
+
+
+def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
+    """Apply the flag's own type/choices to a YAML value, so YAML and CLI behave alike."""
+    flag = action.option_strings[-1]
+    if value is None:
+        return None
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                           argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {flag} expects true or false, got {value!r}")
+        return value
+    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
+        items = value if isinstance(value, list) else [value]
+        return [_convert(action, v, where, flag) for v in items]
+    return _convert(action, value, where, flag)
+
+
+def _convert(action: argparse.Action, value: Any, where: str, flag: str) -> Any:
+    if action.type is int and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{where}: {flag} expects an integer, got {value!r}")
+    if action.type is not None and not (isinstance(value, bool) and action.type is not bool):
+        try:
+            value = action.type(value) if not isinstance(value, (dict, list)) else value
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {flag}: {e}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: {flag} must be one of {list(action.choices)}, got {value!r}")
+    return value
