@@ -1,0 +1,60 @@
+"""--config YAML defaults: the command line wins; bad keys and values name the file, line and flag."""
+
+import argparse
+
+import pytest
+
+from config import load_config_defaults
+from metrics_log import MetricsLogger, plot_metrics, read_metrics
+
+
+def parser():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    p.add_argument("--rollout-batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--use-kl-loss", action="store_true")
+    p.add_argument("--advantage-estimator", choices=["grpo", "rloo"], default="grpo")
+    p.add_argument("--engine-urls", nargs="+", default=[])
+    return p
+
+
+def parse(tmp_path, text, argv=()):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    p = parser()
+    p.set_defaults(**load_config_defaults(p, str(cfg)))
+    return p.parse_args(list(argv))
+
+
+def test_yaml_supplies_defaults_and_cli_overrides(tmp_path):
+    a = parse(tmp_path, "rollout-batch-size: 16\nlr: 3e-3\nuse_kl_loss: true\nengine-urls: http://a\n")
+    assert (a.rollout_batch_size, a.lr, a.use_kl_loss, a.engine_urls) == (16, 3e-3, True, ["http://a"])
+    b = parse(tmp_path, "rollout-batch-size: 16\n", ["--rollout-batch-size", "4"])
+    assert b.rollout_batch_size == 4
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("lr: 1\nrollout-batchsize: 3\n", r"line 2: unknown flag '--rollout-batchsize'"),
+    ("advantage-estimator: ppo\n", r"line 1: --advantage-estimator must be one of"),
+    ("use-kl-loss: 1\n", r"line 1: --use-kl-loss expects true or false"),
+    ("rollout-batch-size: 2.5\n", r"line 1: --rollout-batch-size expects an integer"),
+    ("lr: [1, 2\n", "not valid YAML"),
+    ("- a\n- b\n", "expected a mapping"),
+])
+def test_bad_config_is_named(tmp_path, text, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse(tmp_path, text)
+
+
+def test_metrics_log_and_plots(tmp_path):
+    log = MetricsLogger(tmp_path, use_tensorboard=True)
+    for step in range(3):
+        log.log(step, {"rollout/reward_mean": 0.1 * step, "train/loss": float("nan"), "eval/accuracy": 0.5})
+    log.close()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2] and recs[2]["rollout/reward_mean"] == pytest.approx(0.2)
+    assert recs[0]["train/loss"] == "nan"  # JSON has no NaN; kept as a string, never dropped
+    files = plot_metrics(tmp_path / "metrics.jsonl", tmp_path)
+    assert {f.name for f in files} == {"reward.png", "eval_accuracy.png"}
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
