@@ -1,0 +1,79 @@
+"""A private asyncio loop in a daemon thread, so synchronous trainer code can drive async HTTP.
+
+The trainer calls ``WeightSender`` from plain (non-async) code, possibly inside a process that
+already runs its own loop (a Ray actor); a loop of our own in a thread works in both cases.
+Blocking work (collectives) runs in daemon threads via ``in_thread`` so that a collective stuck
+on a dead peer can be abandoned after a timeout instead of holding interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any, Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """Runs one event loop forever in a daemon thread; ``run(coro)`` waits for a result."""
+
+    def __init__(self, name: str = "weight-sync-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop; return its result or raise its exception (TimeoutError after
+        ``timeout`` seconds, cancelling it)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.run called from its own loop (would deadlock)")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
+    """Run blocking ``fn(*args)`` in a fresh daemon thread; await its result from the loop."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def _set(f: asyncio.Future, ok: bool, value: Any) -> None:
+        if f.done():  # the waiter gave up (timeout); the late result has no one to go to
+            return
+        if ok:
+            f.set_result(value)
+        else:
+            f.set_exception(value)
+
+    def _target() -> None:
+        try:
+            out = fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine, which raises it
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set, fut, False, e)
+            return
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_set, fut, True, out)
+
+    threading.Thread(target=_target, name=f"weight-sync-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return fut
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (the rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

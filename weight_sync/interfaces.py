@@ -1,0 +1,123 @@
+"""Settings and small contracts of weight_sync (the trainer side of a weight push).
+
+The sender speaks SGLang's weight-update HTTP API (DESIGN.md), so the same code drives real
+SGLang servers and the embedded engine. Every default of weight_sync lives in
+``WeightSyncSettings`` below; ``weight_sync/arguments.py`` maps slime-style flags onto it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Union
+
+import torch
+
+TRANSPORTS = ("distributed", "disk")
+BACKENDS = ("auto", "gloo", "nccl")
+LOAD_FORMATS = ("flattened_bucket", "tensor")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+#: What a push consumes: ``(hf_name, full tensor)`` pairs, e.g. ``backend.named_hf_weights()``.
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+#: Where a pushed version is recorded: a callable ``f(version)``, or a buffer actor handle with
+#: ``set_weight_version.remote(version)`` (the data buffer), so that staleness is measured.
+VersionSink = Union[Callable[[int], Any], Any]
+
+
+@dataclass
+class WeightSyncSettings:
+    """How weights travel from trainer rank 0 to the engines.
+
+    transport: ``distributed`` (a process group: nccl on CUDA, gloo on CPU) or ``disk`` (write an
+        HF checkpoint under ``disk_dir`` and POST ``/update_weights_from_disk``; for engines that
+        share no collective fabric with the trainer, only a filesystem).
+    backend: ``auto`` picks ``nccl`` when CUDA is available, else ``gloo``.
+    bucket_bytes: the most bytes packed into one broadcast (a tensor larger than this travels
+        alone). One HTTP round trip per bucket, so larger buckets cost fewer round trips and more
+        memory (a bucket is a copy on the trainer and on every engine).
+    load_format: ``flattened_bucket`` (one flat tensor per bucket, one collective) or ``tensor``
+        (one collective per tensor, no packing copy).
+    pause_mode: SGLang's ``/pause_generation`` mode during a push: ``abort`` returns in-flight
+        requests (partial rollouts resume them), ``in_place``/``retract`` keep them.
+    master_address / master_port: the rendezvous that trainer rank 0 hosts (port 0: a free port).
+    group_name: base name of the weight-update group (a generation suffix is added on reconnect).
+    timeout_s: bound on every HTTP call and every collective of a push: a dead or stuck engine
+        never holds the trainer longer than this.
+    check_equal: after a push, compare every engine's per-tensor checksums with the trainer's.
+    retries: how many times a failed push is redone (on the engines still alive) before raising.
+    disk_dir: where the disk transport writes checkpoints (must be readable by the engines).
+    disk_keep: how many pushed checkpoints to keep in ``disk_dir``.
+    hf_checkpoint: the model's HF directory; the disk transport copies its config and tokenizer
+        files next to the pushed weights so the written directory is a loadable checkpoint.
+    """
+
+    transport: str = "distributed"
+    backend: str = "auto"
+    bucket_bytes: int = 512 * 1024 ** 2
+    load_format: str = "flattened_bucket"
+    pause_mode: str = "abort"
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    group_name: str = "reservoir_weight_sync"
+    timeout_s: float = 120.0
+    check_equal: bool = False
+    retries: int = 1
+    disk_dir: str | None = None
+    disk_keep: int = 2
+    hf_checkpoint: str | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field of the first bad setting."""
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r}: expected one of {TRANSPORTS}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r}: expected one of {BACKENDS}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r}: expected one of {LOAD_FORMATS}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {self.pause_mode!r}: expected one of {PAUSE_MODES}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes {self.bucket_bytes}: must be > 0")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port {self.master_port}: must be in [0, 65535]")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s {self.timeout_s}: must be > 0")
+        if self.retries < 0:
+            raise ValueError(f"retries {self.retries}: must be >= 0")
+        if self.disk_keep < 1:
+            raise ValueError(f"disk_keep {self.disk_keep}: must be >= 1")
+        if self.transport == "disk" and not self.disk_dir:
+            raise ValueError("disk_dir: required when transport is 'disk'")
+        if not self.group_name:
+            raise ValueError("group_name: must not be empty")
+
+    def resolved_backend(self) -> str:
+        """``gloo`` or ``nccl`` (``auto``: nccl where CUDA is available)."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one tensor, as an engine reports it or the trainer pushes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the ``torch.`` prefix, e.g. "bfloat16" (SGLang's form)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * getattr(torch, self.dtype).itemsize
+
+    @staticmethod
+    def of(name: str, t: torch.Tensor) -> "TensorSpec":
+        return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's payloads carry)."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,104 @@
+"""Bucket planning and validation of a push, done before anything is broadcast.
+
+A push is validated as a whole first (names, shapes, dtypes against what every engine reported at
+connect), then split into buckets. A bucket holds tensors of one dtype (a flattened bucket is one
+1-D tensor of that dtype, ``weight_sync/buckets.py``) and at most ``bucket_bytes`` bytes, except a
+tensor larger than that, which travels alone. Tensor order is kept, so engines see tensors in the
+order the trainer yields them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weight_sync.interfaces import TensorSpec
+
+
+@dataclass
+class Bucket:
+    """One broadcast: tensors of one dtype, in push order (indices into the push's tensor list)."""
+
+    dtype: str
+    indices: list[int]
+    specs: list[TensorSpec]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def payload(self) -> dict:
+        """The metadata part of SGLang's ``/update_weights_from_distributed`` request."""
+        return {"names": [s.name for s in self.specs], "dtypes": [s.dtype for s in self.specs],
+                "shapes": [list(s.shape) for s in self.specs]}
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """Split ``specs`` (push order) into buckets of one dtype and at most ``bucket_bytes`` bytes.
+
+    A dtype change closes the current bucket (a flattened bucket has one dtype), so interleaved
+    dtypes give more buckets than grouping would; order is kept because engines (SGLang's
+    ``load_weights``) may rely on it, e.g. to stack q/k/v.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes {bucket_bytes}: must be > 0")
+    buckets: list[Bucket] = []
+    cur: Bucket | None = None
+    cur_bytes = 0
+    for i, s in enumerate(specs):
+        n = s.nbytes
+        if cur is None or cur.dtype != s.dtype or cur_bytes + n > bucket_bytes:
+            cur = Bucket(s.dtype, [], [])
+            buckets.append(cur)
+            cur_bytes = 0
+        cur.indices.append(i)
+        cur.specs.append(s)
+        cur_bytes += n
+    return buckets
+
+
+def check_tensors(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    """Specs of the trainer's tensors; ValueError naming the tensor for duplicates or non-tensors."""
+    seen: set[str] = set()
+    specs = []
+    for name, t in named:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"weight name {name!r}: expected a non-empty str")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if name in seen:
+            raise ValueError(f"weight {name!r}: yielded twice in one push")
+        if t.is_sparse or t.is_quantized:
+            raise ValueError(f"weight {name!r}: sparse/quantized tensors cannot be pushed")
+        seen.add(name)
+        specs.append(TensorSpec.of(name, t))
+    if not specs:
+        raise ValueError("push: no tensors were given")
+    return specs
+
+
+def check_against_engine(specs: list[TensorSpec], engine: dict[str, TensorSpec], engine_url: str) -> None:
+    """ValueError naming the first tensor that ``engine`` (its reported parameters) cannot take.
+
+    Every pushed name must exist on the engine with the same shape and dtype, and every engine
+    parameter must be pushed: a parameter left out would keep the old version's values, and the
+    engine would then serve a mix of two versions.
+    """
+    pushed = set()
+    for s in specs:
+        want = engine.get(s.name)
+        if want is None:
+            raise ValueError(f"weight {s.name!r}: engine {engine_url} has no parameter of that name")
+        if tuple(want.shape) != tuple(s.shape):
+            raise ValueError(f"weight {s.name!r}: trainer shape {list(s.shape)} != engine {engine_url} "
+                             f"shape {list(want.shape)}")
+        if want.dtype != s.dtype:
+            raise ValueError(f"weight {s.name!r}: trainer dtype {s.dtype} != engine {engine_url} "
+                             f"dtype {want.dtype}")
+        pushed.add(s.name)
+    missing = [n for n in engine if n not in pushed]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"weight {missing[0]!r}{more}: engine {engine_url} has it but the push does not "
+                         f"include it (it would keep stale values)")
