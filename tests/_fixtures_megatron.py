@@ -1,0 +1,175 @@
+"""Shared helpers for the Megatron backend tests: tiny HF checkpoints and a multi-process runner.
+
+The checks that run inside spawned ranks live here (not in the test files) so that
+``torch.multiprocessing`` can import them by module path.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 100  # not a multiple of 128: exercises vocabulary padding
+
+
+def hf_config(arch: str) -> Any:
+    """Tiny configs: hidden 64, 2 layers, GQA (4 heads / 2 KV heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "llama":  # untied, llama3 rope scaling, unusual eps
+        return LlamaConfig(**common, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 128})
+    if arch == "qwen2":  # tied, QKV bias, linear rope scaling
+        return Qwen2Config(**common, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0})
+    if arch == "qwen3":  # untied, q/k norm, head_dim != hidden / heads
+        return Qwen3Config(**common, head_dim=24, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    raise ValueError(arch)
+
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
+    """Save a tiny random fp32 HF model of ``arch`` to ``out``; biases/norms are randomised too
+    (zero biases and unit norms would hide conversion mistakes)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+# --------------------------------------------------------------------------------- spawning
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        result: Any = ("ok", fn(*args))
+    except BaseException:  # reported to the parent test, which fails with the traceback
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 240.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` gloo ranks (loopback); return each rank's result.
+
+    Fails (RuntimeError with the rank's traceback) if a rank raised, died or timed out.
+    """
+    import torch.multiprocessing as mp
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args, str(tmp)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"spawned ranks did not finish within {timeout_s}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = []
+    for r in range(world):
+        with open(tmp / f"rank{r}.pkl", "rb") as f:
+            status, value = pickle.load(f)
+        if status != "ok":
+            raise RuntimeError(f"rank {r} failed:\n{value}")
+        results.append(value)
+    return results
+
+
+# ----------------------------------------------------------------------- checks run in ranks
+def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, dict[str, float]]:
+    """For each checkpoint: build the model on this layout, load it, compare logits and
+    engine-style log-probs with HF, and export(load(ckpt)) with the checkpoint.
+
+    Returns per arch ``{"logits": max abs diff, "logprobs": ..., "export_equal": 0/1}`` on the
+    ranks that computed them (last stage for logits, rank 0 for export).
+    """
+    from megatron.core import parallel_state
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train_backend.megatron import checkpoint, cpu_compat, forward, model as mmodel, parallel
+
+    device = torch.device("cpu")
+    results: dict[str, dict[str, float]] = {}
+    with cpu_compat.cpu_mode():
+        parallel.init_distributed(device)
+        parallel.init_parallel_state(tp, pp, seed=1, device=device)
+        for arch, path in ckpt_dirs.items():
+            cfg = AutoConfig.from_pretrained(path)
+            dims = mmodel.dims_from_hf(cfg, 128, tp)
+            tcfg = mmodel.transformer_config(dims, params_dtype=torch.float32, tp_size=tp, pp_size=pp,
+                                             sequence_parallel=False, on_cpu=True)
+            model = mmodel.build_gpt_model(dims, tcfg, cfg)
+            checkpoint.load_hf_weights(model, checkpoint.HFCheckpointReader(path), dims)
+            model.eval()
+            torch.manual_seed(7)
+            seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (13, 9, 16, 5)]
+            mbs = forward.make_micro_batches(seqs, max_tokens=32, device=device)
+            temp = 0.7
+
+            def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                lp = forward.token_log_probs(logits, mb.tokens, dims.vocab_size, temp)  # [b, T-1]
+                return logits.sum() * 0, {"logits": forward.gather_vocab(logits, dims.vocab_size),
+                                          "logprobs": lp, "rows": mb.rows, "lengths": mb.lengths}
+
+            with torch.no_grad():
+                out = forward.run_pipeline([model], mbs, loss_fn, forward_only=True)
+            res: dict[str, float] = {}
+            if parallel_state.is_pipeline_last_stage():
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+                d_logits = d_lp = 0.0
+                for st in out:
+                    for r, (row, n) in enumerate(zip(st["rows"], st["lengths"])):
+                        if row < 0:
+                            continue
+                        ids = torch.tensor([seqs[row]])
+                        with torch.no_grad():
+                            ref = hf(ids).logits[0]  # [n, V]
+                        ref_lp = torch.log_softmax(ref[:-1] / temp, -1).gather(-1, ids[0, 1:, None])[:, 0]
+                        d_logits = max(d_logits, (st["logits"][r, :n] - ref).abs().max().item())
+                        d_lp = max(d_lp, (st["logprobs"][r, : n - 1] - ref_lp).abs().max().item())
+                res.update(logits=d_logits, logprobs=d_lp)
+            exported = dict(checkpoint.iter_hf_weights(model, dims))
+            if torch.distributed.get_rank() == 0:
+                orig = load_file(os.path.join(path, "model.safetensors"))
+                same = sorted(exported) == sorted(orig) and all(
+                    torch.equal(exported[k], orig[k]) and exported[k].dtype == orig[k].dtype for k in orig)
+                res["export_equal"] = float(same)
+            results[arch] = res
+        parallel.destroy_parallel_state()
+    return results
