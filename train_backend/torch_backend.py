@@ -1,0 +1,271 @@
+"""The torch train backend: an HF causal LM, torch's AdamW, and FSDP2 (``fully_shard``) across
+data-parallel ranks when ``torch.distributed`` is initialized with more than one rank.
+
+One :meth:`TorchBackend.train_step` = one rollout batch: rank 0's groups are broadcast, advantages
+are computed per group, the trainable samples are cut into optimizer steps
+(``--global-batch-size``), each step's samples are shared across ranks by tokens, packed into
+micro-batches under ``--max-tokens-per-micro-batch`` and trained with gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from buffer.sample import Sample
+from train_backend import torch_checkpoint
+from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, pack, plan_micro_batches,
+                                    prepare_batch, split_steps)
+from train_backend.interfaces import TrainSettings
+from train_backend.losses import LossConfig, LossDenominators, log_probs_from_logits, masked_whiten, rl_loss
+from train_backend.schedule import lr_factor
+
+# Per-token stats of rl_loss that are token means over the step (averaged over optimizer steps).
+_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "tis_weight", "tis_clipfrac")
+# Raw sums over the rollout batch, normalized by the rollout-token count.
+_ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
+
+
+class TorchBackend:
+    """HF model + AdamW (+ FSDP2 under data parallelism). See :class:`~train_backend.interfaces.TrainBackend`."""
+
+    def __init__(self, settings: TrainSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        self.loss_cfg = LossConfig.from_settings(settings)
+        self.device = torch.device(settings.device)
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        torch.manual_seed(settings.seed)
+
+        model = AutoModelForCausalLM.from_pretrained(settings.hf_checkpoint, dtype=getattr(torch, settings.dtype))
+        self.config = model.config
+        self.max_seq_len: int | None = self.config.max_position_embeddings
+        # The reference policy = a frozen copy of the initial weights; it stays on the CPU between
+        # uses so it costs no accelerator memory while the policy trains.
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if settings.use_kl_loss else None
+        model.to(self.device)
+        if self.distributed:
+            self._shard(model)
+            if self.ref_model is not None:
+                self.ref_model.to(self.device)
+                self._shard(self.ref_model)
+        self.model = model
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+            eps=settings.adam_eps, weight_decay=settings.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(settings))
+        self.optimizer_steps = 0
+
+    # --- setup --------------------------------------------------------------------------------
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2: shard every decoder layer, then the root (embeddings, norm, head)."""
+        from torch.distributed.fsdp import fully_shard
+
+        layers = model.get_decoder().layers
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    # --- forward ------------------------------------------------------------------------------
+    def _log_probs(self, model: torch.nn.Module, mb: PackedMicroBatch, with_entropy: bool,
+                   entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Policy log-probs (and entropy) of a packed micro-batch's response tokens: ``[N]``.
+        The entropy keeps its graph only with ``entropy_grad`` (it costs a [N, V] softmax)."""
+        # logits only where a response token is predicted: the prompt's vocab projections are skipped
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.logit_index,
+                    use_cache=False)
+        logits = out.logits[0]  # [N, V]
+        temp = self.settings.rollout_temperature
+        logp, entropy = log_probs_from_logits(logits, mb.targets, temp, with_entropy and entropy_grad)
+        if with_entropy and not entropy_grad:
+            with torch.no_grad():
+                entropy = log_probs_from_logits(logits.detach(), mb.targets, temp, True)[1]
+        return logp, entropy
+
+    @torch.no_grad()
+    def _ref_log_probs(self, mbs: list[PackedMicroBatch]) -> list[Tensor]:
+        assert self.ref_model is not None
+        move = not self.distributed and self.device.type != "cpu"
+        if move:
+            self.ref_model.to(self.device)
+        try:
+            return [self._log_probs(self.ref_model, mb, False)[0] for mb in mbs]
+        finally:
+            if move:
+                self.ref_model.to("cpu")
+
+    # --- training -----------------------------------------------------------------------------
+    def _receive(self, groups: list[list[Sample]] | None) -> list[list[Sample]]:
+        """Rank 0's groups, on every rank."""
+        if not self.distributed:
+            if groups is None:
+                raise ValueError("train_step: groups is None")
+            return groups
+        box = [groups if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            raise ValueError("train_step: rank 0 passed groups=None")
+        return box[0]
+
+    def _rank_micro_batches(self, batch: RolloutBatch, idx: list[int], adv: list[float]) -> list[PackedMicroBatch]:
+        """This rank's share of the samples ``idx``, packed; every rank gets the same number of
+        micro-batches (FSDP's collectives run per forward), padded with zero-weight repeats."""
+        lengths = [len(batch.samples[i].tokens) for i in idx]
+        share = [idx[j] for j in balance(lengths, self.world_size)[self.rank]]
+        plan = plan_micro_batches([len(batch.samples[i].tokens) for i in share], self.settings.max_tokens_per_micro_batch)
+        mbs = [pack([batch.samples[share[j]] for j in b], [adv[share[j]] for j in b]).to(self.device) for b in plan]
+        n = len(mbs)
+        if self.distributed:
+            t = torch.tensor([n], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            n = int(t.item())
+        while len(mbs) < n:  # a dummy with an all-zero loss mask: runs the collectives, adds nothing
+            dummy = pack([batch.samples[idx[0]]], [0.0]).to(self.device)
+            dummy.loss_mask.zero_()
+            dummy.rollout_mask.zero_()
+            mbs.append(dummy)
+        return mbs
+
+    def train_step(self, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
+        """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
+        t0 = time.perf_counter()
+        s = self.settings
+        batch = prepare_batch(self._receive(groups), s.advantage_estimator, s.reward_key, self.max_seq_len)
+        metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
+                                     "train/num_samples": float(len(batch.samples))}
+        metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
+        if not batch.samples:
+            metrics["train/skipped_step"] = 1.0
+            return metrics
+        adv = batch.advantages
+        if s.normalize_advantages:
+            counts = torch.tensor([sum(x.loss_mask) for x in batch.samples])  # [B]
+            per_token = torch.tensor(adv, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
+            white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
+            adv = white[torch.cumsum(counts, 0) - counts].tolist()  # first token of each sample
+        norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
+        steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
+        plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]
+        # old_logp: the policy before this rollout's updates. With a single optimizer step the
+        # policy does not change before each micro-batch's forward, so that forward's detached
+        # log-probs are exactly the old ones and the extra pass is skipped.
+        old: list[list[Tensor]] | None = None
+        if len(steps) > 1:
+            with torch.no_grad():
+                old = [[self._log_probs(self.model, mb, False)[0] for mb in mbs] for mbs in plans]
+        ref = [self._ref_log_probs(mbs) for mbs in plans] if self.ref_model is not None else None
+
+        sums: dict[str, Tensor] = {}
+        grad_norms, lrs, tokens = [], [], 0
+        for k, (r, mbs) in enumerate(zip(steps, plans)):
+            step_samples = [batch.samples[i] for i in r]
+            denom = LossDenominators(float(sum(sum(x.loss_mask) for x in step_samples)), float(len(step_samples)),
+                                     norm_length)
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            for j, mb in enumerate(mbs):
+                logp, entropy = self._log_probs(self.model, mb, True, entropy_grad=s.entropy_coef != 0)
+                old_logp = logp.detach() if old is None else old[k][j]
+                loss, stats = rl_loss(self.loss_cfg, denom, logp, old_logp, mb.advantages, mb.loss_mask, mb.seq_ids,
+                                      mb.num_seqs, entropy=entropy, ref_logp=None if ref is None else ref[k][j],
+                                      rollout_logp=mb.rollout_logp, rollout_mask=mb.rollout_mask)
+                if not torch.isfinite(loss):
+                    raise RuntimeError(f"train_step {step}: non-finite loss {loss.item()} in optimizer step {k}, "
+                                       f"micro-batch {j}; the weights were not updated")
+                # FSDP averages gradients over ranks; the loss is already a sum over the whole
+                # step's tokens, so scale back up to get the sum.
+                (loss * self.world_size).backward()
+                for name, v in stats.items():
+                    sums[name] = sums.get(name, torch.zeros((), device=self.device)) + v.detach().float()
+                tokens += int(mb.input_ids.numel()) if mb.loss_mask.any() else 0
+            grad_norms.append(self._optimizer_step(step, k))
+        metrics.update(self._reduce(sums, len(steps), tokens))
+        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["train/lr"] = lrs[-1]
+        metrics["train/optimizer_steps"] = float(len(steps))
+        elapsed = time.perf_counter() - t0
+        metrics["train/tokens_per_s"] = metrics.pop("train/_tokens") / elapsed
+        metrics["train/step_time_s"] = elapsed
+        return metrics
+
+    def _optimizer_step(self, step: int, k: int) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.settings.clip_grad if self.settings.clip_grad > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        norm_f = float(norm)
+        if not torch.isfinite(torch.tensor(norm_f)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"train_step {step}: non-finite grad norm {norm_f} in optimizer step {k}; "
+                               "the weights were not updated")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        return norm_f
+
+    def _reduce(self, sums: dict[str, Tensor], num_steps: int, tokens: int) -> dict[str, float]:
+        """Sum the stats over ranks; step stats become means over optimizer steps."""
+        names = sorted(sums)
+        vec = torch.stack([sums[n] for n in names] + [torch.tensor(float(tokens), device=self.device)])
+        if self.distributed:
+            dist.all_reduce(vec)
+        total = dict(zip(names + ["_tokens"], vec.tolist()))
+        out = {f"train/{n}": total[n] / num_steps for n in _STEP_STATS if n in total}
+        rollout_tokens = total.get("_rollout_tokens", 0.0)
+        if rollout_tokens > 0:
+            out.update({f"train/{n}": total[n] / rollout_tokens for n in _ROLLOUT_STATS})
+        out["train/_tokens"] = total["_tokens"]
+        return out
+
+    # --- inference ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token log-probs of the current policy (logits / ``--rollout-temperature``).
+        Collective under data parallelism: every rank passes the same samples and gets all."""
+        out: list[list[float]] = [[] for _ in samples]
+        todo = [i for i, x in enumerate(samples) if x.response_length > 0]
+        plan = plan_micro_batches([len(samples[i].tokens) for i in todo], self.settings.max_tokens_per_micro_batch)
+        for b in plan:
+            mb = pack([samples[todo[j]] for j in b]).to(self.device)
+            logp, _ = self._log_probs(self.model, mb, False)
+            for j, t in zip(b, mb.split(logp)):
+                out[todo[j]] = t.tolist()
+        return out
+
+    # --- weights and checkpoints ----------------------------------------------------------------
+    def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors under HF names, one parameter at a time (each a collective under FSDP2:
+        every rank must exhaust the iterator)."""
+        for name, p in self.model.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            yield name, t.detach()
+
+    def save(self, path: str) -> None:
+        """Model + optimizer (torch.distributed.checkpoint, sharded under FSDP2), scheduler, step
+        counter and every rank's RNG state."""
+        torch_checkpoint.save(self, path)
+
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote (same world size for the RNG states)."""
+        torch_checkpoint.load(self, path)
+
+    def export_hf(self, path: str) -> None:
+        """An HF checkpoint of the current policy (+ the tokenizer of ``--hf-checkpoint``)."""
+        torch_checkpoint.export_hf(self, path)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])

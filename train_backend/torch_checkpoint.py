@@ -1,0 +1,93 @@
+"""Checkpoints of the torch backend.
+
+``save(path)`` writes ``path/dcp/`` (model + optimizer through ``torch.distributed.checkpoint``:
+each rank writes its own shards under FSDP2, and a checkpoint loads onto another number of ranks),
+``path/trainer_state.pt`` (scheduler, optimizer-step counter) and ``path/rng_<rank>.pt``.
+``export_hf(path)`` writes a plain HF checkpoint (``save_pretrained`` + tokenizer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+if TYPE_CHECKING:
+    from train_backend.torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _barrier(backend: "TorchBackend") -> None:
+    if backend.distributed:
+        dist.barrier()
+
+
+def save(backend: "TorchBackend", path: str) -> None:
+    """Save model, optimizer, scheduler, step counter and RNG state to directory ``path``."""
+    os.makedirs(path, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+    if backend.rank == 0:
+        torch.save(backend.extra_state(), os.path.join(path, "trainer_state.pt"))
+    torch.save(_rng_state(), os.path.join(path, f"rng_{backend.rank}.pt"))
+    _barrier(backend)
+
+
+def load(backend: "TorchBackend", path: str) -> None:
+    """Restore what :func:`save` wrote; ``RuntimeError`` if ``path`` is not such a checkpoint."""
+    state_file = os.path.join(path, "trainer_state.pt")
+    if not os.path.isdir(os.path.join(path, "dcp")) or not os.path.isfile(state_file):
+        raise RuntimeError(f"{path} is not a torch-backend checkpoint (no dcp/ or trainer_state.pt)")
+    model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    backend.load_extra_state(torch.load(state_file, weights_only=False))
+    rng_file = os.path.join(path, f"rng_{backend.rank}.pt")
+    if os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        log.warning("%s: no RNG state for rank %d (saved with fewer ranks); RNG not restored", path, backend.rank)
+    _barrier(backend)
+
+
+def export_hf(backend: "TorchBackend", path: str) -> None:
+    """Write an HF checkpoint of the current weights (gathered to rank 0) and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    sd = get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if backend.rank == 0:
+        os.makedirs(path, exist_ok=True)
+        backend.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+        try:
+            tok = AutoTokenizer.from_pretrained(backend.settings.hf_checkpoint)
+        except (OSError, ValueError) as e:  # a checkpoint without tokenizer files: weights are still usable
+            log.warning("export_hf: no tokenizer copied from %s: %s", backend.settings.hf_checkpoint, e)
+        else:
+            tok.save_pretrained(path)
+    _barrier(backend)
