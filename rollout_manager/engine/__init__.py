@@ -1,0 +1,13 @@
+"""The embedded engine: an inference server speaking SGLang's native HTTP API on top of
+transformers, for machines where SGLang cannot run (CPU) and as the default engine.
+
+    python -m rollout_manager.engine --model-path DIR --host 127.0.0.1 --port P
+
+From Python: ``launch_engine_process(EngineSettings(...)) -> (Popen, url)`` or, inside Ray,
+``start_engine_actor(EngineSettings(...)) -> (actor, url)`` (``rollout_manager.engine.actor``).
+"""
+
+from .launch import free_port, launch_engine_process, wait_healthy
+from .settings import EngineSettings, parse_settings
+
+__all__ = ["EngineSettings", "parse_settings", "launch_engine_process", "wait_healthy", "free_port"]

@@ -1,0 +1,148 @@
+"""The model side of the engine: a transformers causal LM run on a left-padded batch.
+
+``prefill`` runs new prompts together (one forward, logits of the last position only) and
+returns a ``Batch``; ``merge`` joins it to the running batch; ``decode`` feeds every row's last
+token in one forward. Positions are explicit per row and the attention mask is built here as a
+4-D boolean mask (transformers passes 4-D masks through untouched), so padding never changes a
+row's numbers: a row's log-probs equal a forward over that row alone (to float round-off).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import BatchKVCache
+from .settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """The running batch: cache, per-row validity, next position and last token."""
+
+    cache: BatchKVCache
+    valid: torch.Tensor  # [B, T] bool: column holds a real token of that row
+    next_pos: torch.Tensor  # [B] long: position id of the next token
+    last_tok: torch.Tensor  # [B] long: the token to feed at the next decode step
+
+    @property
+    def size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+
+class ModelRunner:
+    """Loads the HF model and tokenizer, and runs prefill/decode forwards."""
+
+    def __init__(self, settings: EngineSettings):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        self.device = torch.device(settings.device)
+        self.dtype = getattr(torch, settings.torch_dtype_name())
+        self.config = AutoConfig.from_pretrained(settings.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            settings.model_path, dtype=self.dtype, attn_implementation="sdpa").to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or settings.model_path)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        self.context_length = settings.context_length or max_pos or 4096
+        if max_pos and self.context_length > max_pos:
+            log.warning("--context-length %d exceeds max_position_embeddings %d", self.context_length, max_pos)
+        self.num_layers = int(self.config.get_text_config().num_hidden_layers)
+        self.eos_ids = self._eos_ids(settings.model_path)
+
+    def _eos_ids(self, model_path: str) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.config, getattr(self.model, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """HF parameter names -> parameters (tied weights appear under every name)."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    # --- forwards ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Batch]:
+        """Run the prompts (left-padded) in one forward. Returns (last logits [n, V], batch)."""
+        n, L = len(prompts), max(map(len, prompts))
+        dev = self.device
+        lens = torch.tensor([len(p) for p in prompts], device=dev)  # [n]
+        ids = torch.zeros((n, L), dtype=torch.long, device=dev)  # [n, L]
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        col = torch.arange(L, device=dev)  # [L]
+        pad = (L - lens)[:, None]  # [n, 1]
+        valid = col[None, :] >= pad  # [n, L]
+        pos = (col[None, :] - pad).clamp_min(0)  # [n, L]
+        causal = torch.ones((L, L), dtype=torch.bool, device=dev).tril()  # [L, L]
+        # pad queries attend to themselves only, so no softmax row is empty (that would give NaN)
+        mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]  # [n, L, L]
+        cache = BatchKVCache(self.num_layers)
+        cache.begin(L, self.context_length)
+        out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        cache.commit()
+        logits = out.logits[:, -1]  # [n, V]
+        return logits, Batch(cache, valid, lens.clone(), ids[:, -1].clone())
+
+    @torch.inference_mode()
+    def decode(self, batch: Batch) -> torch.Tensor:
+        """Feed ``batch.last_tok`` for every row; returns logits ``[B, V]`` (batch updated in place)."""
+        B = batch.size
+        batch.valid = torch.cat([batch.valid, torch.ones((B, 1), dtype=torch.bool, device=self.device)], 1)  # [B, T+1]
+        batch.cache.begin(1, self.context_length + 16)
+        out = self.model(input_ids=batch.last_tok[:, None], attention_mask=batch.valid[:, None, None, :],
+                         position_ids=batch.next_pos[:, None], cache=batch.cache, use_cache=True)
+        batch.cache.commit()
+        batch.next_pos += 1
+        return out.logits[:, -1]  # [B, V]
+
+    # --- batch membership -------------------------------------------------------------------
+    @staticmethod
+    def select(batch: Batch, rows: torch.Tensor) -> Batch:
+        """Keep ``rows`` (``[n]`` long), dropping leading columns none of them uses."""
+        valid = batch.valid[rows]  # [n, T]
+        trim = _first_used_column(valid)
+        return Batch(batch.cache.select(rows, trim), valid[:, trim:], batch.next_pos[rows], batch.last_tok[rows])
+
+    @staticmethod
+    def merge(running: Batch | None, rows: torch.Tensor | None, new: Batch) -> Batch:
+        """Rows ``rows`` of the running batch followed by the new batch."""
+        if running is None or rows is None or rows.numel() == 0:
+            return new
+        va = running.valid[rows]  # [na, Ta]
+        trim = _first_used_column(va)
+        va = va[:, trim:]
+        T = max(va.shape[1], new.length)
+        valid = torch.cat([_left_pad(va, T), _left_pad(new.valid, T)], 0)  # [na + nb, T]
+        cache = BatchKVCache.merge(running.cache, rows, trim, new.cache)
+        return Batch(cache, valid, torch.cat([running.next_pos[rows], new.next_pos]),
+                     torch.cat([running.last_tok[rows], new.last_tok]))
+
+
+def _first_used_column(valid: torch.Tensor) -> int:
+    used = valid.any(0)  # [T]
+    return int(used.to(torch.int8).argmax()) if bool(used.any()) else valid.shape[1]
+
+
+def _left_pad(valid: torch.Tensor, T: int) -> torch.Tensor:
+    n, t = valid.shape
+    if t == T:
+        return valid
+    return torch.cat([torch.zeros((n, T - t), dtype=torch.bool, device=valid.device), valid], 1)  # [n, T]

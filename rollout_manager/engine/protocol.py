@@ -1,0 +1,191 @@
+"""Request parsing and validation for ``/generate`` (field names from SGLang's ``io_struct.py``
+``GenerateReqInput`` and ``sampling_params.py``).
+
+Every problem raises ``ProtocolError`` naming the offending field; the server turns it into an
+HTTP 400 and keeps serving. Fields SGLang accepts but this engine does not implement are accepted
+only at their neutral value (e.g. ``repetition_penalty: 1.0``), so a client never silently gets
+behaviour it did not ask for.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# SGLang treats temperatures below this as greedy (top_k = 1, logprobs at temperature 1).
+SAMPLING_EPS = 1e-6
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class ProtocolError(ValueError):
+    """A bad request; ``field`` names the offending field (the message starts with it)."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (SGLang's names and defaults)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+@dataclass
+class GenerateInput:
+    """A validated ``/generate`` request (exactly one of ``text`` / ``input_ids`` was given)."""
+
+    rid: str
+    input_ids: list[int] | None
+    text: str | None
+    params: SamplingParams
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+# Accepted only at these neutral values (SGLang implements them; this engine does not).
+_NEUTRAL_SAMPLING = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                     "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
+                     "structural_tag": None, "logit_bias": None, "custom_params": None}
+_IGNORED_SAMPLING = {"stream_interval"}  # transport hints without effect on the result
+_NEUTRAL_TOP = {"stream": False, "top_logprobs_num": 0, "token_ids_logprob": None, "image_data": None,
+                "video_data": None, "audio_data": None, "lora_path": None, "session_params": None,
+                "custom_logit_processor": None, "return_hidden_states": False, "input_embeds": None,
+                "return_routed_experts": False}
+_IGNORED_TOP = {"logprob_start_len", "log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                "data_parallel_rank", "priority", "modalities", "extra_key", "no_logs", "routed_dp_rank"}
+
+
+def _num(d: dict, name: str, kind: type, default: Any, path: str) -> Any:
+    v = d.get(name, default)
+    if v is None:
+        return default
+    # bool is an int subclass in Python: reject it where a number is expected
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise ProtocolError(f"{path}{name}", f"expected {kind.__name__}, got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ProtocolError(f"{path}{name}", f"must be finite, got {v!r}")
+    return kind(v)
+
+
+def _flag(d: dict, name: str, default: bool, path: str) -> bool:
+    v = d.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{path}{name}", f"expected a boolean, got {v!r}")
+    return v
+
+
+def _int_list(v: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise ProtocolError(name, "expected a list of integer token ids")
+    bad = [t for t in v if not 0 <= t < vocab_size]
+    if bad:
+        raise ProtocolError(name, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return v
+
+
+def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
+    """Validate a ``sampling_params`` dict into SamplingParams (ProtocolError names the field)."""
+    p = "sampling_params."
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise ProtocolError("sampling_params", "expected an object")
+    known = set(SamplingParams.__dataclass_fields__) | set(_NEUTRAL_SAMPLING) | _IGNORED_SAMPLING
+    for k in sp:
+        if k not in known:
+            raise ProtocolError(p + k, "unknown sampling parameter")
+    for k, neutral in _NEUTRAL_SAMPLING.items():
+        if k in sp and sp[k] is not None and sp[k] != neutral:
+            raise ProtocolError(p + k, f"not supported by the embedded engine (only {neutral!r})")
+    max_new = _num(sp, "max_new_tokens", int, DEFAULT_MAX_NEW_TOKENS, p)
+    if max_new <= 0:
+        raise ProtocolError(p + "max_new_tokens", f"must be > 0, got {max_new}")
+    temperature = _num(sp, "temperature", float, 1.0, p)
+    if temperature < 0:
+        raise ProtocolError(p + "temperature", f"must be >= 0, got {temperature}")
+    top_p = _num(sp, "top_p", float, 1.0, p)
+    if not 0 < top_p <= 1:
+        raise ProtocolError(p + "top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _num(sp, "top_k", int, -1, p)
+    if top_k == 0 or top_k < -1:
+        raise ProtocolError(p + "top_k", f"must be -1 (disabled) or >= 1, got {top_k}")
+    min_p = _num(sp, "min_p", float, 0.0, p)
+    if not 0 <= min_p <= 1:
+        raise ProtocolError(p + "min_p", f"must be in [0, 1], got {min_p}")
+    stop = sp.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ProtocolError(p + "stop", "expected a non-empty string or a list of them")
+    stop_ids = sp.get("stop_token_ids") or []
+    if isinstance(stop_ids, int) and not isinstance(stop_ids, bool):
+        stop_ids = [stop_ids]
+    stop_ids = _int_list(stop_ids, p + "stop_token_ids", vocab_size)
+    seed = sp.get("sampling_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ProtocolError(p + "sampling_seed", f"expected an integer, got {seed!r}")
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+        ignore_eos=_flag(sp, "ignore_eos", False, p),
+        skip_special_tokens=_flag(sp, "skip_special_tokens", True, p),
+        spaces_between_special_tokens=_flag(sp, "spaces_between_special_tokens", True, p),
+        no_stop_trim=_flag(sp, "no_stop_trim", False, p), sampling_seed=seed)
+
+
+def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
+    """Validate a ``/generate`` JSON body (ProtocolError names the offending field)."""
+    if not isinstance(body, dict):
+        raise ProtocolError("body", "expected a JSON object")
+    known = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
+    for k in body:
+        if k in known or k in _IGNORED_TOP:
+            continue
+        if k in _NEUTRAL_TOP:
+            if body[k] not in (None, _NEUTRAL_TOP[k]):
+                raise ProtocolError(k, f"not supported by the embedded engine (only {_NEUTRAL_TOP[k]!r})")
+            continue
+        raise ProtocolError(k, "unknown field")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ProtocolError("text/input_ids", "give exactly one of text and input_ids")
+    if text is not None and not isinstance(text, str):
+        raise ProtocolError("text", "expected a string (batched requests are not supported)")
+    if ids is not None:
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            raise ProtocolError("input_ids", "batched requests are not supported: send one prompt per request")
+        ids = _int_list(ids, "input_ids", vocab_size)
+        if not ids:
+            raise ProtocolError("input_ids", "must not be empty")
+    rid = body.get("rid")
+    if rid is None:
+        rid = uuid.uuid4().hex
+    elif not isinstance(rid, str) or not rid:
+        raise ProtocolError("rid", "expected a non-empty string")
+    return GenerateInput(
+        rid=rid, input_ids=ids, text=text,
+        params=parse_sampling_params(body.get("sampling_params"), vocab_size),
+        return_logprob=_flag(body, "return_logprob", False, ""),
+        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""))

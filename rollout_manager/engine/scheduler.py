@@ -1,0 +1,301 @@
+"""Continuous batching: one scheduler loop in a dedicated thread.
+
+Each iteration: run queued control commands (weight updates, checksums; so they happen
+between forwards, never inside one), apply aborts, admit waiting requests (one batched prefill
+whose rows then join the running batch), then one batched decode step for every running row.
+Finished rows leave the batch lazily: they are compacted away when they are a quarter of it or
+when new rows join (both copy the cache, so it is done at most once per join).
+
+Results go back through ``Request.on_finish``, called from this thread; the server's callback
+hands them to its event loop with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .model_runner import Batch, ModelRunner
+from .protocol import SamplingParams
+from .sampling import RowParams, build_row_params, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One generation request as the scheduler sees it."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_finish: Callable[["Request"], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    error: BaseException | None = None
+    weight_version: str = ""
+    generator: torch.Generator | None = None
+    max_tokens: int = 0  # max_new_tokens capped by the context length
+    stop_ids: frozenset[int] = frozenset()
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    """Owns the running batch and the loop thread. All public methods are thread-safe."""
+
+    def __init__(self, runner: ModelRunner, max_running_requests: int, max_prefill_tokens: int,
+                 random_seed: int | None, weight_version: str):
+        self.runner = runner
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self._shared_gen = torch.Generator(runner.device).manual_seed(
+            random_seed if random_seed is not None else random.randrange(2**63))
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._live: dict[str, Request] = {}  # rid -> waiting or running request
+        self._aborts: list[tuple[str | None, str]] = []  # (rid or None for all, message)
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._paused = False
+        self._stopping = False
+        # running batch state (scheduler thread only)
+        self._batch: Batch | None = None
+        self._rows: list[Request | None] = []  # batch row -> request (None: finished, awaiting compaction)
+        self._alive_idx = torch.zeros(0, dtype=torch.long)
+        self._row_params: RowParams | None = None
+        self._n_running = 0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- API (any thread) -------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue a request. RuntimeError if its rid is already in flight or the engine stopped."""
+        p = req.params
+        if p.sampling_seed is not None:
+            req.generator = torch.Generator(self.runner.device).manual_seed(p.sampling_seed)
+        req.max_tokens = min(p.max_new_tokens, self.runner.context_length - len(req.prompt_ids))
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.runner.eos_ids)
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            if req.rid in self._live:
+                raise RuntimeError(f"rid {req.rid!r} is already in flight")
+            self._live[req.rid] = req
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def abort(self, rid: str | None, message: str = "aborted by request") -> None:
+        """Abort one request (``rid``) or all (``None``); each returns with finish_reason abort."""
+        with self._cv:
+            for req in list(self._waiting):
+                if rid is None or req.rid == rid:
+                    self._waiting.remove(req)
+                    self._finish(req, {"type": "abort", "message": message})
+            self._aborts.append((rid, message))
+            self._cv.notify()
+
+    def pause(self, mode: str) -> None:
+        """SGLang's pause modes: ``abort`` aborts everything in flight; ``in_place`` and
+        ``retract`` keep requests (and their KV cache) and stop stepping until ``resume``."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"mode {mode!r}: expected abort, in_place or retract")
+        if mode == "abort":
+            self.abort(None, "aborted by pause_generation")
+        with self._cv:
+            self._paused = True
+            self._cv.notify()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def run_command(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` in the scheduler thread between two forwards (also while paused)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def load(self) -> dict:
+        with self._cv:
+            return {"num_running_reqs": self._n_running, "num_waiting_reqs": len(self._waiting),
+                    "num_reqs": len(self._live)}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # --- the loop (scheduler thread) --------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._commands or self._aborts or
+                    (not self._paused and (self._waiting or self._n_running)))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._has_work():
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+                aborts, self._aborts = self._aborts, []
+                admit = [] if self._paused else self._take_admissible()
+                step = not self._paused
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # delivered to the caller, who reports it
+                    fut.set_exception(e)
+            try:
+                with torch.inference_mode():
+                    self._apply_aborts(aborts)
+                    if step:
+                        self._step(admit)
+            except Exception as e:
+                log.exception("scheduler step failed; failing the running requests")
+                self._fail_all(e, admit)
+        self._fail_all(RuntimeError("the engine stopped"), [])
+
+    def _take_admissible(self) -> list[Request]:
+        room = self.max_running - self._n_running
+        admit: list[Request] = []
+        longest = 0
+        while self._waiting and len(admit) < room:
+            n = len(self._waiting[0].prompt_ids)
+            # the prefill is padded to its longest prompt: bound the padded token count
+            if admit and (len(admit) + 1) * max(longest, n) > self.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            admit.append(self._waiting.popleft())
+        return admit
+
+    def _apply_aborts(self, aborts: list[tuple[str | None, str]]) -> None:
+        changed = False
+        for rid, message in aborts:
+            for i, req in enumerate(self._rows):
+                if req is not None and (rid is None or req.rid == rid):
+                    self._rows[i] = None
+                    self._finish(req, {"type": "abort", "message": message})
+                    changed = True
+        if changed:
+            self._rows_changed()
+
+    def _step(self, admit: list[Request]) -> None:
+        runner = self.runner
+        if admit:
+            logits, new = runner.prefill([r.prompt_ids for r in admit])
+            rp = build_row_params([r.params for r in admit], [r.generator for r in admit],
+                                  logits.shape[-1], runner.device)
+            tokens, lps = sample(logits, rp, self._shared_gen)
+            new.last_tok = tokens
+            alive = self._alive_idx if self._batch is not None else None
+            self._batch = runner.merge(self._batch, alive, new)
+            self._rows = [r for r in self._rows if r is not None] + admit
+            self._record(range(len(self._rows) - len(admit), len(self._rows)), tokens, lps)
+            self._rows_changed()  # the batch changed even when no admitted row finished
+        elif self._batch is not None and len(self._alive_idx) * 4 <= 3 * len(self._rows):
+            self._compact()
+        if self._batch is None or self._n_running == 0:
+            return
+        logits = runner.decode(self._batch)  # [B, V]
+        self.steps += 1
+        alive = self._alive_idx
+        full = len(alive) == len(self._rows)
+        tokens, lps = sample(logits if full else logits[alive], self._row_params, self._shared_gen)
+        if full:
+            self._batch.last_tok = tokens
+        else:
+            self._batch.last_tok[alive] = tokens
+        if self._record(alive.tolist(), tokens, lps):
+            self._rows_changed()
+
+    def _record(self, rows: Any, tokens: torch.Tensor, lps: torch.Tensor) -> bool:
+        """Append each row's new token; finish the rows that are done (SGLang's check order).
+        Returns whether any row finished."""
+        changed = False
+        for i, tok, lp in zip(rows, tokens.tolist(), lps.tolist()):
+            req = self._rows[i]
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            reason = None
+            if len(req.output_ids) >= req.max_tokens:
+                reason = {"type": "length", "length": req.max_tokens}
+            elif tok in req.stop_ids:
+                reason = {"type": "stop", "matched": tok}
+            elif req.params.stop:
+                matched = self._match_stop_str(req)
+                if matched is not None:
+                    reason = {"type": "stop", "matched": matched}
+            if reason is not None:
+                self._rows[i] = None
+                self._finish(req, reason)
+                changed = True
+        return changed
+
+    def _match_stop_str(self, req: Request) -> str | None:
+        # decode a tail long enough to hold any stop string (a token is at least one character
+        # in practice; a few spare tokens cover byte-level pieces)
+        window = max(len(s) for s in req.params.stop) + 8
+        tail = self.runner.tokenizer.decode(req.output_ids[-window:],
+                                            skip_special_tokens=req.params.skip_special_tokens)
+        for s in req.params.stop:
+            if s in tail:
+                return s
+        return None
+
+    def _rows_changed(self) -> None:
+        alive = [i for i, r in enumerate(self._rows) if r is not None]
+        if not alive:
+            self._batch, self._rows = None, []
+        self._alive_idx = torch.tensor(alive, dtype=torch.long, device=self.runner.device)
+        reqs = [self._rows[i] for i in alive]
+        self._row_params = build_row_params([r.params for r in reqs], [r.generator for r in reqs],
+                                            self.runner.vocab_size, self.runner.device) if reqs else None
+        with self._cv:
+            self._n_running = len(alive)
+
+    def _compact(self) -> None:
+        self._batch = self.runner.select(self._batch, self._alive_idx)
+        self._rows = [r for r in self._rows if r is not None]
+        self._rows_changed()
+
+    def _finish(self, req: Request, reason: dict | None, error: BaseException | None = None) -> None:
+        with self._cv:
+            if self._live.get(req.rid) is req:
+                del self._live[req.rid]
+        req.finish_reason, req.error, req.weight_version = reason, error, self.weight_version
+        try:
+            req.on_finish(req)
+        except Exception:  # a broken callback must not take the loop down; it is logged
+            log.exception("on_finish of %s failed", req.rid)
+
+    def _fail_all(self, error: BaseException, extra: list[Request]) -> None:
+        with self._cv:
+            waiting = list(self._waiting) if self._stopping else []
+            if self._stopping:
+                self._waiting.clear()
+        for req in [r for r in self._rows if r is not None] + list(extra) + waiting:
+            if req.finish_reason is None and req.error is None:
+                self._finish(req, None, error)
+        self._batch, self._rows = None, []
+        self._rows_changed()

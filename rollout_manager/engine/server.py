@@ -1,0 +1,332 @@
+"""The HTTP server: SGLang's native API on aiohttp, in front of the scheduler thread.
+
+Handlers never run torch work on the event loop: generation goes through the scheduler
+thread, weight collectives through their group's worker thread. Bad input gets HTTP 400 with
+the offending field named, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import torch
+from aiohttp import web
+
+from weight_sync.buckets import parse_dtype
+
+from .model_runner import ModelRunner
+from .protocol import GenerateInput, ProtocolError, parse_generate
+from .scheduler import Request, Scheduler
+from .settings import EngineSettings
+from .weights import WeightManager, WeightUpdateError
+
+log = logging.getLogger(__name__)
+VERSION = "reservoir-embedded-engine 0.1"
+
+try:
+    import orjson
+
+    def _dumps(obj: Any) -> str:
+        return orjson.dumps(obj).decode()
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover
+    import json
+
+    _dumps, _loads = json.dumps, json.loads
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=_dumps)
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    # SGLang's error body for /generate; weight endpoints use {"success", "message"} instead
+    return _json({"error": {"message": message, "code": status}}, status)
+
+
+class Engine:
+    """Model runner + scheduler + weight manager, and the aiohttp handlers over them."""
+
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.runner = ModelRunner(settings)
+        self.scheduler = Scheduler(self.runner, settings.max_running_requests, settings.max_prefill_tokens,
+                                   settings.random_seed, settings.weight_version)
+        self.weights = WeightManager(self.runner, self.scheduler, settings.weight_update_timeout_s)
+        self.model_path = settings.model_path
+        self.started = time.time()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.weights.close()
+
+    # --- app ----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        for path, h in (("/flush_cache", self.flush_cache), ("/health", self.health),
+                        ("/health_generate", self.health_generate), ("/model_info", self.model_info),
+                        ("/get_model_info", self.model_info), ("/server_info", self.server_info),
+                        ("/get_server_info", self.server_info), ("/get_load", self.get_load),
+                        ("/get_weight_version", self.get_weight_version),
+                        ("/weights_checksum", self.weights_checksum)):
+            r.add_get(path, h)
+            r.add_post(path, h)
+        r.add_post("/init_weights_update_group", self._weights(self.init_weights_update_group))
+        r.add_post("/update_weights_from_distributed", self._weights(self.update_weights_from_distributed))
+        r.add_post("/destroy_weights_update_group", self._weights(self.destroy_weights_update_group))
+        r.add_post("/update_weights_from_disk", self._weights(self.update_weights_from_disk))
+        r.add_get("/v1/models", self.v1_models)
+        return app
+
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        if not raw:
+            return {}
+        try:
+            return _loads(raw)
+        except ValueError as e:
+            raise ProtocolError("body", f"malformed JSON: {e}") from e
+
+    # --- generation ---------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            gi = parse_generate(await self._body(request), self.runner.vocab_size)
+            ids = self._prompt_ids(gi)
+        except ProtocolError as e:
+            return _bad(str(e))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def on_finish(req: Request) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+        req = Request(gi.rid, ids, gi.params, on_finish)
+        try:
+            self.scheduler.submit(req)
+        except RuntimeError as e:
+            return _bad(f"rid: {e}")
+        try:
+            await fut
+        except asyncio.CancelledError:  # the client went away: free its slot
+            self.scheduler.abort(gi.rid, "client disconnected")
+            raise
+        if req.error is not None:
+            return _bad(f"generation failed: {type(req.error).__name__}: {req.error}", 500)
+        return _json(self._response(gi, req))
+
+    def _prompt_ids(self, gi: GenerateInput) -> list[int]:
+        field = "input_ids"
+        ids = gi.input_ids
+        if ids is None:
+            field = "text"
+            ids = self.runner.tokenizer(gi.text)["input_ids"]
+            if not ids:
+                raise ProtocolError("text", "tokenizes to no tokens")
+        if len(ids) >= self.runner.context_length:
+            raise ProtocolError(field, f"the prompt has {len(ids)} tokens; the context length is "
+                                f"{self.runner.context_length} (leave room for at least one new token)")
+        return ids
+
+    def _response(self, gi: GenerateInput, req: Request) -> dict:
+        p, fr, out = gi.params, req.finish_reason, req.output_ids
+        tok = self.runner.tokenizer
+        text_ids = out
+        if fr.get("type") == "stop" and isinstance(fr.get("matched"), int) and not p.no_stop_trim:
+            text_ids = out[:-1]  # SGLang trims a matched stop token from the text
+        text = tok.decode(text_ids, skip_special_tokens=p.skip_special_tokens,
+                          spaces_between_special_tokens=p.spaces_between_special_tokens)
+        if fr.get("type") == "stop" and isinstance(fr.get("matched"), str) and not p.no_stop_trim:
+            cut = text.find(fr["matched"])
+            if cut >= 0:
+                text = text[:cut]
+        meta: dict[str, Any] = {
+            "id": req.rid, "finish_reason": fr, "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(out), "cached_tokens": 0, "weight_version": req.weight_version,
+            "e2e_latency": time.monotonic() - req.arrival}
+        if gi.return_logprob:
+            if gi.return_text_in_logprobs:
+                pieces = tok.batch_decode([[t] for t in out])
+                meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(req.logprobs, out, pieces)]
+            else:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out)]
+        return {"text": text, "output_ids": out, "meta_info": meta}
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+        except ProtocolError as e:
+            return _bad(str(e))
+        if not isinstance(body, dict):
+            return _bad("body: expected a JSON object")
+        rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
+        if not isinstance(abort_all, bool) or not isinstance(rid, str):
+            return _bad("rid/abort_all: expected a string rid and a boolean abort_all")
+        if abort_all:
+            self.scheduler.abort(None)
+        elif rid:
+            self.scheduler.abort(rid)
+        else:
+            return _bad("rid: give a rid or abort_all: true")
+        return _json({"success": True})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            self.scheduler.pause(body.get("mode", "abort") if isinstance(body, dict) else "abort")
+        except ValueError as e:  # ProtocolError too
+            return _bad(f"mode: {e}" if not isinstance(e, ProtocolError) else str(e))
+        return _json({"success": True, "message": "Generation paused."})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.scheduler.resume()
+        return _json({"success": True, "message": "Generation continued."})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # No prefix cache is kept across requests (running requests own their KV), so there is
+        # nothing to flush; answer as SGLang does on success.
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+    # --- health and info ----------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.scheduler._thread.is_alive():
+            return web.Response(status=503, text="scheduler thread is dead")
+        return web.Response(text="")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        from .protocol import SamplingParams
+
+        req = Request(f"HEALTH_CHECK_{time.monotonic_ns()}", [0], SamplingParams(max_new_tokens=1, temperature=0.0),
+                      lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
+        self.scheduler.submit(req)
+        try:
+            await asyncio.wait_for(fut, 20.0)
+        except asyncio.TimeoutError:
+            self.scheduler.abort(req.rid)
+            return web.Response(status=503, text="health generation timed out")
+        if req.error is not None:
+            return web.Response(status=503, text=f"health generation failed: {req.error}")
+        return web.Response(text="")
+
+    def _model_info(self) -> dict:
+        cfg = self.runner.config
+        return {"model_path": self.model_path,
+                "tokenizer_path": self.settings.tokenizer_path or self.settings.model_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.scheduler.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None)}
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json(self._model_info())
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s = dataclasses.asdict(self.settings)
+        s.update({"model_path": self.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                  "context_length": self.runner.context_length, "skip_tokenizer_init": False,
+                  "served_model_name": self.settings.served_model_name or self.model_path,
+                  "version": VERSION, "status": "ready",
+                  "internal_states": [{"weight_version": self.scheduler.weight_version,
+                                       "decode_steps": self.scheduler.steps, **self.scheduler.load()}]})
+        return _json(s)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        return _json([{"dp_rank": 0, **self.scheduler.load()}])
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return _json({"weight_version": self.scheduler.weight_version})
+
+    async def v1_models(self, request: web.Request) -> web.Response:
+        name = self.settings.served_model_name or self.model_path
+        return _json({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "reservoir",
+                                                  "root": name, "max_model_len": self.runner.context_length}]})
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """``{name: sha256}`` of the parameters; body/query: optional ``names`` and ``dtype``."""
+        try:
+            body = await self._body(request) if request.method == "POST" else {}
+            names = body.get("names") if isinstance(body, dict) else None
+            dtype = body.get("dtype") if isinstance(body, dict) else None
+            dtype = dtype or request.query.get("dtype")
+            sums = await self.weights.checksums(names, parse_dtype(dtype) if dtype else None)
+        except ValueError as e:
+            return _bad(str(e))
+        return _json(sums)
+
+    # --- weights ------------------------------------------------------------------------------
+    def _weights(self, fn: Callable[[dict], Awaitable[str]]) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                body = await self._body(request)
+                if not isinstance(body, dict):
+                    raise ProtocolError("body", "expected a JSON object")
+                message = await fn(body)
+            except (ValueError, KeyError, TypeError) as e:  # WeightUpdateError, ProtocolError, missing fields
+                msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                return _json({"success": False, "message": msg}, 400)
+            except Exception as e:  # a collective failed (peer died, timeout): bad state, not bad input
+                log.exception("%s failed", request.path)
+                return _json({"success": False, "message": f"{type(e).__name__}: {e}"}, 500)
+            return _json({"success": True, "message": message})
+        return handler
+
+    async def init_weights_update_group(self, b: dict) -> str:
+        await self.weights.init_group(str(b["master_address"]), int(b["master_port"]), int(b["rank_offset"]),
+                                      int(b["world_size"]), str(b["group_name"]), str(b.get("backend", "gloo")))
+        return "Succeeded to initialize custom process group."
+
+    async def update_weights_from_distributed(self, b: dict) -> str:
+        await self.weights.update_from_distributed(list(b["names"]), list(b["dtypes"]), list(b["shapes"]),
+                                                   str(b["group_name"]), b.get("load_format"),
+                                                   b.get("weight_version"))
+        return "Succeeded to update parameter online."
+
+    async def destroy_weights_update_group(self, b: dict) -> str:
+        await asyncio.get_running_loop().run_in_executor(None, self.weights.destroy_group, str(b["group_name"]))
+        return "Succeeded to destroy custom process group."
+
+    async def update_weights_from_disk(self, b: dict) -> str:
+        path = str(b["model_path"])
+        await self.weights.update_from_disk(path, b.get("weight_version"))
+        return "Succeeded to update model weights."
+
+
+async def start_server(settings: EngineSettings, engine: Engine | None = None) -> tuple[web.AppRunner, Engine]:
+    """Build the engine (unless given) and serve it on settings.host:port in the running loop."""
+    engine = engine or Engine(settings)
+    runner = web.AppRunner(engine.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    log.info("embedded engine serving %s on %s", settings.model_path, settings.url)
+    return runner, engine
+
+
+def serve(settings: EngineSettings) -> None:
+    """Run the server until interrupted (what ``python -m rollout_manager.engine`` does)."""
+    engine = Engine(settings)  # load the model before binding the port: /health means ready
+
+    async def main() -> None:
+        runner, _ = await start_server(settings, engine)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.close()

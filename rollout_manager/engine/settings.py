@@ -1,0 +1,110 @@
+"""Settings of the embedded engine: one dataclass shared by ``__main__``, the Ray actor and the
+subprocess launcher. Flag names follow SGLang's server arguments wherever SGLang has one.
+Every default lives here, in the dataclass; the CLI parser reads them from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineSettings:
+    """How to run one embedded engine (see ``python -m rollout_manager.engine --help``)."""
+
+    model_path: str
+    tokenizer_path: str | None = None  # None: the model path
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"  # "cpu" or "cuda[:i]"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    max_running_requests: int = 128  # rows of the running batch
+    max_prefill_tokens: int = 8192  # prompt tokens admitted (prefilled) in one step
+    context_length: int | None = None  # None: the model config's max_position_embeddings
+    random_seed: int | None = None  # seeds sampling of requests without a sampling_seed
+    weight_version: str = "default"  # SGLang's initial weight version
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    served_model_name: str | None = None
+    weight_update_timeout_s: float = 600.0  # bound on joining / receiving a weight broadcast
+    log_level: str = "info"
+    extra: dict = field(default_factory=dict)  # free-form, reported in /server_info
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("--model-path is required")
+        self.model_path = os.path.abspath(self.model_path)  # the router loads the tokenizer from it
+        if self.tokenizer_path is not None:
+            self.tokenizer_path = os.path.abspath(self.tokenizer_path)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {self.dtype!r}: expected auto, float32, bfloat16 or float16")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:i]")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError("--context-length must be >= 2")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} is out of range")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def to_cli(self) -> list[str]:
+        """The command-line flags that reproduce these settings (for the subprocess launcher)."""
+        out: list[str] = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "extra" or v is None or v == f.default:
+                continue
+            out += ["--" + f.name.replace("_", "-"), str(v)]
+        return out
+
+
+_HELP = {
+    "model_path": "HF checkpoint directory (weights, config, tokenizer)",
+    "tokenizer_path": "tokenizer directory (default: --model-path)",
+    "device": "cpu or cuda[:i]",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    "max_running_requests": "most requests decoded together in one batch",
+    "max_prefill_tokens": "most prompt tokens prefilled in one scheduler step",
+    "context_length": "longest prompt+output (default: the model's max_position_embeddings)",
+    "random_seed": "seed for requests without a sampling_seed",
+    "weight_version": "initial weight version reported in meta_info",
+    "num_threads": "torch intra-op threads",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser whose flags are the dataclass fields (SGLang's names)."""
+    ap = argparse.ArgumentParser(prog="python -m rollout_manager.engine",
+                                 description="Embedded inference engine speaking SGLang's native HTTP API.")
+    for f in dataclasses.fields(EngineSettings):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        ftype = str(f.type)  # a string under `from __future__ import annotations`
+        typ = int if ftype.startswith("int") else float if ftype.startswith("float") else str
+        kw: dict = {"type": typ, "help": _HELP.get(f.name, "")}
+        if f.default is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = f.default
+        ap.add_argument(flag, **kw)
+    return ap
+
+
+def parse_settings(argv: list[str] | None = None) -> EngineSettings:
+    """Parse the command line into EngineSettings (ValueError names a bad flag)."""
+    ns = build_parser().parse_args(argv)
+    return EngineSettings(**vars(ns))

@@ -1,0 +1,182 @@
+"""Weight updates for the embedded engine, the way SGLang receives them.
+
+- ``init_group``: join the weight-update group (TCP rendezvous at master_address:master_port,
+  a PrefixStore named ``group_name``, rank ``rank_offset + tp_rank``; gloo on CPU, nccl on CUDA).
+- ``update_from_distributed``: receive a bucket broadcast from rank 0, tensor by tensor or as one
+  flat tensor (``load_format: "flattened_bucket"``), then copy it into the model between two
+  forwards (in the scheduler thread), so no forward ever sees a half-updated model.
+- ``update_from_disk``: load a checkpoint and copy it in the same way.
+
+Blocking collectives run in one worker thread per group (so they keep their order and never
+block the HTTP event loop: the trainer broadcasts while the POST is in flight). Metadata that
+does not match the model still has its broadcast received (drained) before the 400 is returned,
+so the group stays consistent for the next bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weight_sync.buckets import bucket_numel, parse_dtype, tensor_checksum, unflatten_bucket
+from weight_sync.process_group import WeightUpdateGroup, init_weight_update_group
+
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateError(ValueError):
+    """A weight-update request that does not fit the model (HTTP 400)."""
+
+
+@dataclass
+class _Group:
+    group: WeightUpdateGroup
+    executor: concurrent.futures.ThreadPoolExecutor
+
+
+class WeightManager:
+    """Holds the joined groups and applies received weights through the scheduler."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, timeout_s: float):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.timeout_s = timeout_s
+        self.groups: dict[str, _Group] = {}
+        self._params = runner.named_tensors()
+
+    # --- groups -----------------------------------------------------------------------------
+    async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                         group_name: str, backend: str) -> None:
+        if group_name in self.groups:
+            raise WeightUpdateError(f"group_name: group {group_name!r} already exists")
+        if backend not in ("gloo", "nccl"):
+            raise WeightUpdateError(f"backend: {backend!r} is not gloo or nccl")
+        if backend == "nccl" and self.runner.device.type != "cuda":
+            raise WeightUpdateError("backend: nccl needs a CUDA engine (--device cuda); use gloo on CPU")
+        tp_rank = 0  # one model replica per engine process
+        ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"wgroup-{group_name}")
+        loop = asyncio.get_running_loop()
+        try:
+            group = await loop.run_in_executor(ex, lambda: init_weight_update_group(
+                backend, master_address, master_port, rank_offset + tp_rank, world_size, group_name,
+                self.timeout_s, self.runner.device if backend == "nccl" else None))
+        except BaseException:
+            ex.shutdown(wait=False)
+            raise
+        self.groups[group_name] = _Group(group, ex)
+
+    def destroy_group(self, group_name: str) -> None:
+        g = self.groups.pop(group_name, None)
+        if g is None:
+            raise WeightUpdateError(f"group_name: no group {group_name!r}")
+        g.executor.submit(g.group.destroy).result(timeout=self.timeout_s)
+        g.executor.shutdown(wait=False)
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            try:
+                self.destroy_group(name)
+            except Exception:
+                log.exception("destroying weight-update group %s", name)
+
+    # --- updates ----------------------------------------------------------------------------
+    async def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                      group_name: str, load_format: str | None,
+                                      weight_version: str | None = None) -> None:
+        g = self.groups.get(group_name)
+        if g is None:
+            raise WeightUpdateError(f"group_name: no group {group_name!r} (call /init_weights_update_group)")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise WeightUpdateError("names/dtypes/shapes: must be non-empty lists of equal length")
+        try:
+            tdtypes = [parse_dtype(d) for d in dtypes]
+            tshapes = [tuple(int(x) for x in s) for s in shapes]
+        except (TypeError, ValueError) as e:
+            raise WeightUpdateError(f"dtypes/shapes: {e} (the broadcast could not be drained)") from e
+        flat = load_format == "flattened_bucket"
+        if load_format not in (None, "flattened_bucket"):
+            raise WeightUpdateError(f"load_format: {load_format!r} is not supported (None or flattened_bucket); "
+                                    "the broadcast was not drained")
+        if flat and len(set(tdtypes)) != 1:
+            raise WeightUpdateError("dtypes: a flattened bucket needs one dtype for all its tensors; "
+                                    "the broadcast was not drained")
+        problem = self._check(names, tdtypes, tshapes)  # validated now, reported after draining
+        dev = self.runner.device
+
+        def receive() -> list[torch.Tensor]:
+            if flat:
+                buf = torch.empty(bucket_numel(tshapes), dtype=tdtypes[0], device=dev)  # [numel]
+                g.group.broadcast(buf, src=0)
+                return unflatten_bucket(buf, tshapes)
+            out = []
+            for dt, sh in zip(tdtypes, tshapes):
+                t = torch.empty(sh, dtype=dt, device=dev)
+                g.group.broadcast(t, src=0)
+                out.append(t)
+            return out
+
+        tensors = await asyncio.get_running_loop().run_in_executor(g.executor, receive)
+        if problem:
+            raise WeightUpdateError(problem)
+        await self._apply(dict(zip(names, tensors)), weight_version)
+
+    async def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        def load() -> dict[str, torch.Tensor]:
+            m = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.runner.dtype)
+            return dict(m.named_parameters(remove_duplicate=False))
+
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(None, load)
+        except (OSError, ValueError) as e:
+            raise WeightUpdateError(f"model_path: cannot load {model_path!r}: {e}") from e
+        missing = sorted(set(self._params) - set(state))
+        if missing:
+            raise WeightUpdateError(f"model_path: checkpoint lacks {missing[0]} ({len(missing)} tensors missing)")
+        problem = self._check(list(state), [t.dtype for t in state.values()],
+                              [tuple(t.shape) for t in state.values()])
+        if problem:
+            raise WeightUpdateError(f"model_path: {problem}")
+        await self._apply(state, weight_version)
+
+    def _check(self, names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> str | None:
+        for n, dt, sh in zip(names, dtypes, shapes):
+            p = self._params.get(n)
+            if p is None:
+                return f"{n}: no such parameter in the model"
+            if tuple(p.shape) != sh:
+                return f"{n}: shape {list(sh)} does not match the model's {list(p.shape)}"
+            if not dt.is_floating_point:
+                return f"{n}: dtype {dt} is not a floating-point dtype"
+        return None
+
+    async def _apply(self, tensors: dict[str, Any], weight_version: str | None) -> None:
+        params, sched = self._params, self.scheduler
+
+        def copy() -> None:
+            with torch.no_grad():
+                for n, t in tensors.items():
+                    params[n].copy_(t)  # casts to the engine's dtype
+            if weight_version is not None:  # the version switches with the weights, atomically
+                sched.weight_version = str(weight_version)
+
+        await asyncio.wrap_future(self.scheduler.run_command(copy))
+
+    async def checksums(self, names: list[str] | None, dtype: torch.dtype | None) -> dict[str, str]:
+        """``{name: tensor_checksum}`` of the model's parameters (HF names), read between forwards."""
+        params = self._params
+        wanted = names if names is not None else list(params)
+        unknown = [n for n in wanted if n not in params]
+        if unknown:
+            raise WeightUpdateError(f"names: no such parameter {unknown[0]!r}")
+        fut = self.scheduler.run_command(lambda: {n: tensor_checksum(params[n], dtype) for n in wanted})
+        return await asyncio.wrap_future(fut)
