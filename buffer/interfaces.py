@@ -1,0 +1,112 @@
+"""The buffer's public surface: its settings and how to create / find the named Ray actor.
+
+The rollout manager pushes finished groups with ``put``; the trainer pulls them with ``get``.
+Both find the one buffer actor by name (``get_buffer``), from any process of the Ray cluster.
+
+Exactly-once protocol (what ``commit``/``rewind`` are for): the driver trains step ``k`` on
+``get(n, step=k)``, checkpoints the trainer, then calls ``commit(k)``; on resume from the
+checkpoint of step ``s`` it calls ``rewind(s)``, which puts every group handed out to steps
+``> s`` back at the front of the queue. Producers pass a ``put_id`` and retry a failed put with
+the same id, so a put whose reply was lost is not stored twice. Calls are never retried by
+Ray itself (``max_task_retries=0``): a retried ``get`` would hand out a second batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # ray is imported lazily: `import buffer` must stay cheap for plugins
+    import ray
+
+NAMESPACE = "reservoir"
+STALE_POLICIES = ("drop", "return")
+FILTER_PARAMS = ["args", "rollout_id", "buffer", "num_samples"]
+
+
+@dataclass
+class BufferSettings:
+    """Settings of the data buffer (flags in ``buffer/arguments.py``)."""
+
+    n_samples_per_prompt: int | None = None  # None: group size not checked
+    capacity: int = 1024  # in groups; put waits while full
+    put_timeout_s: float = 600.0  # then a TimeoutError naming the capacity and --buffer-capacity
+    max_weight_staleness: int | None = None  # K; None = unbounded; 0 = strictly on-policy
+    stale_policy: str = "drop"  # "drop" | "return" (returned groups await take_returned)
+    persist_dir: str | None = None  # --buffer-dir
+    filter_path: str | None = None  # --buffer-filter-path
+    fsync: bool = False  # fsync each put (survive machine crash, not only process crash)
+    get_timeout_s: float = 1800.0  # get(timeout_s=None) waits this long, then TimeoutError
+    segment_bytes: int = 64 << 20  # a segment file is closed (and later deletable) past this size
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag of the first bad setting."""
+        if self.n_samples_per_prompt is not None and self.n_samples_per_prompt < 1:
+            raise ValueError(f"--n-samples-per-prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.capacity < 1:
+            raise ValueError(f"--buffer-capacity must be >= 1, got {self.capacity}")
+        if not self.put_timeout_s > 0:
+            raise ValueError(f"--buffer-put-timeout must be > 0, got {self.put_timeout_s}")
+        if not self.get_timeout_s > 0:
+            raise ValueError(f"--buffer-get-timeout must be > 0, got {self.get_timeout_s}")
+        if self.max_weight_staleness is not None and self.max_weight_staleness < 0:
+            raise ValueError(f"--max-weight-staleness must be >= 0 (or unset), got {self.max_weight_staleness}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.fsync and self.persist_dir is None:
+            raise ValueError("--buffer-fsync needs --buffer-dir (there is nothing to fsync in memory)")
+        if self.segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be >= 1, got {self.segment_bytes}")
+
+
+def load_filter(settings: BufferSettings):
+    """The ``--buffer-filter-path`` function, checked against slime's signature; None if unset."""
+    if settings.filter_path is None:
+        return None
+    from plugins.loader import load_function
+
+    return load_function(settings.filter_path, "--buffer-filter-path", FILTER_PARAMS, is_async=False)
+
+
+def create_buffer(name: str, settings: BufferSettings, plugin_args: argparse.Namespace | None = None, *,
+                  namespace: str = NAMESPACE, detached: bool = False,
+                  actor_options: dict[str, Any] | None = None) -> "ray.actor.ActorHandle":
+    """Start (or find, if it already runs) the named buffer actor; Ray must be initialised.
+
+    With ``settings.persist_dir`` the actor is restartable (``max_restarts=-1``) and recovers its
+    state from disk in ``__init__``, after a crash or when a new job points at the same directory.
+    ``plugin_args`` is the namespace handed to the filter plugin (slime's contract).
+    ``detached`` keeps the actor alive after the creating driver exits. ``actor_options``
+    overrides Ray options (e.g. ``num_cpus`` or a scheduling strategy).
+    """
+    import ray
+
+    from buffer.actor import BufferActor
+
+    settings.validate()
+    load_filter(settings)  # fail at start-up, in the caller, not inside the actor
+    options: dict[str, Any] = dict(
+        name=name, namespace=namespace, get_if_exists=True,
+        num_cpus=0,  # waits on I/O and the event loop; takes no CPU slot from trainers/engines
+        max_restarts=-1 if settings.persist_dir else 0,
+        max_task_retries=0,  # see the module docstring: callers retry with put_id / rewind
+        max_concurrency=1000,
+    )
+    if detached:
+        options["lifetime"] = "detached"
+    options.update(actor_options or {})
+    handle = BufferActor.options(**options).remote(settings, plugin_args)
+    ray.get(handle.ping.remote())  # surfaces __init__ errors (e.g. an unreadable --buffer-dir) here
+    return handle
+
+
+def get_buffer(name: str, namespace: str = NAMESPACE) -> "ray.actor.ActorHandle":
+    """The handle of a running buffer actor, from any process of the cluster."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError as e:
+        raise ValueError(f"no buffer actor named {name!r} in namespace {namespace!r} "
+                         f"(check --buffer-name; create it with create_buffer): {e}") from e

@@ -1,0 +1,37 @@
+"""Helpers for the buffer's tests: sample groups and one local Ray cluster per test module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from buffer.sample import Sample, Status
+
+
+def make_group(group_index: int, n: int = 4, response_len: int = 6, prompt_len: int = 3,
+               version: int = 0, reward: float = 1.0) -> list[Sample]:
+    """A valid group of ``n`` samples; tokens encode (group_index, sample) so tests can check identity."""
+    return [Sample(group_index=group_index, index=group_index * n + i, prompt=f"p{group_index}", label="7",
+                   metadata={"g": group_index}, tokens=[group_index % 1000] * prompt_len + list(range(response_len)),
+                   response="r" * response_len, response_length=response_len, loss_mask=[1] * response_len,
+                   rollout_log_probs=[-0.5] * response_len, reward=reward, status=Status.COMPLETED,
+                   weight_versions=[version]) for i in range(n)]
+
+
+def ids(groups: list[list[Sample]]) -> list[int]:
+    return [g[0].group_index for g in groups]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A real local Ray cluster (loopback only: run the tests under `unshare -n`)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, namespace="reservoir-tests")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
