@@ -1,0 +1,207 @@
+"""The default per-sample generate (slime's ``async generate(args, sample, sampling_params)``).
+
+Token in, token out: the sample's ``tokens`` (prompt, plus anything generated before a partial
+rollout was interrupted) go to ``/generate`` as ``input_ids``; the answer's ``output_ids`` and the
+log-probs in ``meta_info.output_token_logprobs`` are appended, never re-tokenized. Each segment is
+tagged with the ``meta_info.weight_version`` the engine reported.
+
+The manager's state that a generate function needs (the router client, the concurrency limit,
+pause/stop signals) is reached through ``current_context()`` / ``current_step()``: context
+variables set by the rollout loop, so custom generate functions keep slime's signature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from buffer.sample import Sample, Status
+from rollout_manager.engine_client import EngineClient, EngineError
+from rollout_manager.rewards import Rewarder, mark_failed
+from rollout_manager.settings import RolloutSettings
+
+
+@dataclass
+class RolloutStats:
+    """Counters of one rollout step (or evaluation)."""
+
+    requests: int = 0
+    retries: int = 0
+    aborted_requests: int = 0
+    generated_tokens: int = 0
+    dropped_groups: int = 0  # removed by the dynamic sampling filter
+    returned_groups: int = 0  # given back to the data source unfinished
+    failures: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class StepState:
+    """One rollout step in progress: its counters and whether it is winding down."""
+
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    stopping: bool = False
+    inflight: set[str] = field(default_factory=set)  # request ids, for targeted aborts
+
+
+@dataclass
+class RolloutContext:
+    """What generate/rollout functions need from the manager (one per manager, on its loop)."""
+
+    settings: RolloutSettings
+    args: argparse.Namespace
+    client: EngineClient  # the router (or the single engine)
+    engine_urls: Callable[[], list[str]]  # current engines, for aborts
+    semaphore: asyncio.Semaphore  # in-flight requests across engines
+    rewarder: Rewarder
+    generate_fn: Callable  # async generate(args, sample, sampling_params) -> Sample
+    filter_fn: Callable | None  # filter(args, samples) -> bool
+    loop: asyncio.AbstractEventLoop
+    running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while paused
+    active_steps: set[int] = field(default_factory=set)  # id()s of StepStates in progress
+
+
+_CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reservoir_rollout_context")
+_STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
+
+
+def current_context() -> RolloutContext:
+    """The rollout manager's context (inside generate/rollout functions the manager called)."""
+    try:
+        return _CONTEXT.get()
+    except LookupError:
+        raise RuntimeError("no rollout context: call this from a function the RolloutManager runs") from None
+
+
+def current_step() -> StepState:
+    try:
+        return _STEP.get()
+    except LookupError:
+        raise RuntimeError("no rollout step in progress") from None
+
+
+def set_context(ctx: RolloutContext) -> contextvars.Token:
+    return _CONTEXT.set(ctx)
+
+
+def set_step(step: StepState) -> contextvars.Token:
+    return _STEP.set(step)
+
+
+def sampling_params(settings: RolloutSettings, evaluation: bool = False) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for training rollouts or evaluation."""
+    s = settings.sampling
+    temperature = s.eval_temperature if evaluation else s.rollout_temperature
+    max_len = (s.eval_max_response_len or s.rollout_max_response_len) if evaluation else s.rollout_max_response_len
+    return {"temperature": temperature, "top_p": s.rollout_top_p, "top_k": s.rollout_top_k,
+            "max_new_tokens": max_len, "stop": list(s.rollout_stop), "stop_token_ids": list(s.rollout_stop_token_ids),
+            "skip_special_tokens": s.rollout_skip_special_tokens, "no_stop_trim": True}
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang reports a string; ``"default"`` (never updated) is version 0."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise RuntimeError(f"engine reported weight_version {value!r}, not an integer") from None
+
+
+def reset_sample(sample: Sample) -> None:
+    """Drop everything generated so far (the sample restarts from its prompt)."""
+    prompt_len = sample.prompt_length
+    sample.tokens = sample.tokens[:prompt_len]
+    sample.response, sample.response_length = "", 0
+    sample.loss_mask, sample.rollout_log_probs = [], []
+    sample.weight_versions, sample.reward, sample.status = [], None, Status.PENDING
+    sample.metadata.pop("failure_reason", None)
+
+
+def append_segment(sample: Sample, out: dict, mask_offpolicy: bool) -> int:
+    """Append one ``/generate`` answer to ``sample``; returns the number of new tokens."""
+    meta = out["meta_info"]
+    ids = list(out["output_ids"])
+    logps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+    if len(logps) != len(ids):
+        raise RuntimeError(f"engine returned {len(ids)} output_ids but {len(logps)} output_token_logprobs")
+    version = parse_weight_version(meta.get("weight_version"))
+    aborted = (meta.get("finish_reason") or {}).get("type") == "abort"
+    # an empty aborted segment produced nothing: it must not tag the sample with its version
+    if ids or (not sample.weight_versions and not aborted):
+        if mask_offpolicy and sample.weight_versions and version != sample.weight_versions[-1]:
+            # the tokens so far came from an older policy: keep them as context, not as loss
+            sample.loss_mask = [0] * sample.response_length
+        sample.weight_versions.append(version)
+    sample.tokens += ids
+    sample.response += out.get("text") or ""
+    sample.response_length += len(ids)
+    sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + logps
+    return len(ids)
+
+
+async def generate(args: argparse.Namespace, sample: Sample, sampling_params: dict) -> Sample:
+    """Generate (or resume) one sample through the router; retries engine failures on other engines."""
+    ctx, step = current_context(), current_step()
+    s = ctx.settings.sampling
+    budget = sampling_params["max_new_tokens"]
+    attempt = 0
+    while True:
+        remaining = budget - sample.response_length
+        if remaining <= 0:
+            sample.status = Status.TRUNCATED
+            return sample
+        if not ctx.running.is_set():  # paused for a weight update: wait, then continue
+            if step.stopping:
+                sample.status = Status.ABORTED
+                return sample
+            await ctx.running.wait()
+        async with ctx.semaphore:
+            if step.stopping:
+                sample.status = Status.ABORTED
+                return sample
+            if not ctx.running.is_set():
+                continue
+            rid = uuid.uuid4().hex
+            step.inflight.add(rid)
+            step.stats.requests += 1
+            try:
+                out = await ctx.client.generate(input_ids=sample.tokens,
+                                                sampling_params={**sampling_params, "max_new_tokens": remaining},
+                                                return_logprob=True, rid=rid, timeout=s.request_timeout)
+            except EngineError as e:
+                out = None
+                if e.status is not None and 400 <= e.status < 500:
+                    mark_failed(sample, f"engine: HTTP {e.status}")  # our request is bad: retrying won't help
+                    return sample
+                attempt += 1
+                step.stats.retries += 1
+                if attempt > s.max_request_retries:
+                    mark_failed(sample, "engine: unreachable")
+                    return sample
+            finally:
+                step.inflight.discard(rid)
+        if out is None:  # back off outside the semaphore; the health monitor removes dead engines meanwhile
+            await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+            continue
+        try:
+            step.stats.generated_tokens += append_segment(sample, out, s.mask_offpolicy_in_partial_rollout)
+        except RuntimeError as e:
+            mark_failed(sample, f"engine: {e}"[:80])
+            return sample
+        finish = (out["meta_info"].get("finish_reason") or {}).get("type")
+        if finish == "abort":
+            step.stats.aborted_requests += 1
+            if not s.partial_rollout:
+                reset_sample(sample)  # without partial rollout, an interrupted response restarts
+            if step.stopping:
+                sample.status = Status.ABORTED
+                return sample
+            continue  # interrupted by a pause: resume from what we have once weights are updated
+        sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
+        return sample

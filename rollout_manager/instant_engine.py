@@ -1,0 +1,134 @@
+"""An SGLang-API server with no model that answers at once: the ceiling for the client path.
+
+It speaks the same HTTP subset as the engines (``/generate``, ``/abort_request``, pause/continue,
+health and info routes), so the real sglang-router registers it, and the rollout client cannot
+tell it from an engine. ``bench/rollout.py`` uses it to measure client throughput, and the
+tests use it to exercise routing, retries and aborts at full speed. It is not a model: each
+``/generate`` returns ``--num-tokens`` copies of ``--token-id`` (fewer if ``max_new_tokens`` is
+smaller) after ``--delay`` seconds, with log-prob -0.5 per token.
+
+    python -m rollout_manager.instant_engine --port 30001 --model-path DIR [--delay 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import orjson
+from aiohttp import web
+
+
+class InstantEngine:
+    """The request handlers; ``paused`` requests wait, ``abort_all`` ends the waiting ones."""
+
+    def __init__(self, model_path: str, token_id: int, num_tokens: int, delay: float, weight_version: str):
+        self.model_path, self.token_id, self.num_tokens, self.delay = model_path, token_id, num_tokens, delay
+        self.weight_version = weight_version
+        self.running = asyncio.Event()
+        self.running.set()
+        self.inflight: dict[str, asyncio.Event] = {}
+        self.count = 0
+
+    @staticmethod
+    def _json(obj: object) -> web.Response:
+        return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        sp = body.get("sampling_params") or {}
+        n = min(self.num_tokens, sp.get("max_new_tokens", self.num_tokens))
+        rid = body.get("rid") or f"r{self.count}"
+        self.count += 1
+        aborted = asyncio.Event()
+        self.inflight[rid] = aborted
+        try:
+            if self.delay or not self.running.is_set():
+                await self.running.wait()
+                if self.delay:
+                    try:
+                        await asyncio.wait_for(aborted.wait(), self.delay)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            self.inflight.pop(rid, None)
+        if aborted.is_set():  # an aborted request reports what it generated so far: nothing here
+            n, finish = 0, {"type": "abort", "message": "aborted"}
+        elif n < self.num_tokens:
+            finish = {"type": "length", "length": n}
+        else:
+            finish = {"type": "stop", "matched": self.token_id}
+        ids = [self.token_id] * n
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body.get("input_ids") or []),
+                "completion_tokens": n, "weight_version": self.weight_version,
+                "output_token_logprobs": [[-0.5, self.token_id, None]] * n if body.get("return_logprob") else []}
+        return self._json({"text": "", "output_ids": ids, "meta_info": meta})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read() or b"{}")
+        targets = list(self.inflight) if body.get("abort_all") else [body.get("rid")]
+        for rid in targets:
+            if rid in self.inflight:
+                self.inflight[rid].set()
+        return self._json({"success": True})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.running.clear()
+        for ev in self.inflight.values():
+            ev.set()
+        return self._json({"success": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.running.set()
+        return self._json({"success": True})
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return self._json({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                           "is_generation": True, "weight_version": self.weight_version})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return self._json({"model_path": self.model_path, "tokenizer_path": self.model_path, "dp_size": 1,
+                           "tp_size": 1, "weight_version": self.weight_version})
+
+    async def weight_version_route(self, request: web.Request) -> web.Response:
+        return self._json({"weight_version": self.weight_version})
+
+
+def build_app(engine: InstantEngine) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.add_routes([
+        web.post("/generate", engine.generate), web.post("/abort_request", engine.abort_request),
+        web.post("/pause_generation", engine.pause), web.post("/continue_generation", engine.resume),
+        web.get("/health", engine.ok), web.get("/health_generate", engine.ok),
+        web.post("/flush_cache", engine.ok), web.get("/flush_cache", engine.ok),
+        web.get("/model_info", engine.model_info), web.get("/get_model_info", engine.model_info),
+        web.get("/server_info", engine.server_info), web.get("/get_server_info", engine.server_info),
+        web.get("/get_weight_version", engine.weight_version_route),
+    ])
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model-path", required=True, help="reported to the router (it loads the tokenizer)")
+    ap.add_argument("--token-id", type=int, default=10)
+    ap.add_argument("--num-tokens", type=int, default=4)
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
+    ap.add_argument("--weight-version", default="0")
+    a = ap.parse_args(argv)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    engine = InstantEngine(a.model_path, a.token_id, a.num_tokens, a.delay, a.weight_version)
+    web.run_app(build_app(engine), host=a.host, port=a.port, access_log=None, print=None, backlog=4096)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The real sglang-router: start/stop it, register and remove workers, wait for readiness.
+
+The router's own ``/health`` answers before any worker is registered, so readiness is
+``GET /workers`` listing the worker as healthy. Workers are added with ``POST /workers {"url"}``
+(queued in the background by the router) and removed with ``DELETE /workers/{id}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rollout_manager.engine_client import EngineClient, EngineError
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on ``host`` (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _norm(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.startswith("http") else "http://" + url
+
+
+class Router:
+    """A handle on one sglang-router: started here (``start``) or already running (``attach``)."""
+
+    def __init__(self, host: str, port: int, process: subprocess.Popen | None = None):
+        self.host, self.port, self.process = host, port, process
+        self.url = f"http://{host}:{port}"
+
+    @classmethod
+    def start(cls, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
+              log_path: str | Path | None = None, timeout: float = 60.0,
+              health_check_interval: float = 2.0) -> "Router":
+        """Launch ``python -m sglang_router.launch_router`` on ``host`` and wait until it answers."""
+        port = port or free_port(host)
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+               "--prometheus-host", host, "--prometheus-port", str(free_port(host)), "--policy", policy,
+               "--log-level", "warn", "--health-check-interval-secs", str(max(1, int(health_check_interval))),
+               # Our client retries on other engines; the router retrying the same dead one only delays that.
+               "--retry-max-retries", "1", "--request-timeout-secs", "3600"]
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        router = cls(host, port, proc)
+        router._wait_up(timeout)
+        return router
+
+    @classmethod
+    def attach(cls, host: str, port: int) -> "Router":
+        """Use a router that is already running."""
+        return cls(host, port, None)
+
+    def _wait_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with code {self.process.returncode} at start-up")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"sglang-router did not listen on {self.url} within {timeout:.0f}s")
+
+    async def list_workers(self) -> list[dict]:
+        """The router's workers: dicts with ``id``, ``url``, ``is_healthy``, ``load``."""
+        async with EngineClient(self.url, timeout=10) as c:
+            out = await c.request("GET", "/workers")
+        return out["workers"]
+
+    async def add_worker(self, url: str, timeout: float = 60.0) -> str:
+        """Register ``url`` and wait until the router lists it healthy; returns the worker id."""
+        url = _norm(url)
+        async with EngineClient(self.url, timeout=10) as c:
+            await c.request("POST", "/workers", {"url": url})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for w in await self.list_workers():
+                if _norm(w["url"]) == url and w.get("is_healthy", False):
+                    return w["id"]
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"sglang-router {self.url}: worker {url} not healthy within {timeout:.0f}s")
+
+    async def remove_worker(self, url: str, timeout: float = 30.0) -> bool:
+        """Deregister ``url`` (all its entries); returns False if it was not registered."""
+        url = _norm(url)
+        ids = [w["id"] for w in await self.list_workers() if _norm(w["url"]) == url]
+        async with EngineClient(self.url, timeout=10) as c:
+            for wid in ids:
+                await c.request("DELETE", f"/workers/{wid}")
+        deadline = time.monotonic() + timeout
+        while ids and time.monotonic() < deadline:  # removal is queued too: wait until it is gone
+            if not any(_norm(w["url"]) == url for w in await self.list_workers()):
+                return True
+            await asyncio.sleep(0.1)
+        if ids:
+            raise RuntimeError(f"sglang-router {self.url}: worker {url} still listed after {timeout:.0f}s")
+        return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the router if this handle started it."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("sglang-router did not stop in %.0fs; killing it", timeout)
+            self.process.kill()
+            self.process.wait(timeout)
+
+
+__all__ = ["Router", "free_port", "EngineError"]

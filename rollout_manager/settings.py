@@ -1,0 +1,94 @@
+"""Typed settings of the rollout manager (every default lives here, once).
+
+``arguments.py`` builds the command-line flags from these field defaults and turns a parsed
+namespace into a ``RolloutSettings``. Components take the settings; only plugins see the
+argparse namespace (slime's plugin contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataSettings:
+    """Where prompts come from and how they become token ids."""
+
+    prompt_data: str | None = None  # jsonl or parquet file
+    input_key: str = "prompt"
+    label_key: str | None = "label"
+    metadata_key: str | None = "metadata"
+    apply_chat_template: bool = False
+    rollout_shuffle: bool = False
+    rollout_seed: int = 42
+    num_epoch: int | None = None  # None: cycle through epochs forever
+    rollout_max_prompt_len: int | None = None  # prompts longer (in tokens) are skipped
+    strict_data: bool = False  # a bad line is an error instead of being skipped
+
+
+@dataclass
+class EngineFleetSettings:
+    """Which engines serve generation and how they are reached."""
+
+    rollout_engine: str = "embedded"  # "embedded", "sglang" or "instant" (no model, benchmarks)
+    rollout_num_engines: int = 1  # engine count when no GPUs are used
+    rollout_num_gpus: int = 0  # total GPUs for engines (sglang); 0 = CPU
+    rollout_num_gpus_per_engine: int = 1
+    engine_urls: list[str] = field(default_factory=list)  # running servers: start none
+    sglang_router_ip: str | None = None  # a running router: start none
+    sglang_router_port: int | None = None
+    sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as CLI tokens
+    engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy
+    health_check_interval: float = 2.0  # seconds between engine health checks
+    restart_dead_engines: bool = True
+
+
+@dataclass
+class SamplingSettings:
+    """Generation settings of training rollouts and of evaluation."""
+
+    n_samples_per_prompt: int = 1
+    rollout_batch_size: int = 8  # groups kept per rollout step
+    over_sampling_batch_size: int | None = None  # prompts started per refill (None: rollout_batch_size)
+    rollout_max_response_len: int = 64
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    rollout_top_k: int = -1
+    rollout_stop: list[str] = field(default_factory=list)
+    rollout_stop_token_ids: list[int] = field(default_factory=list)
+    rollout_skip_special_tokens: bool = False
+    sglang_server_concurrency: int = 512  # in-flight requests per engine
+    request_timeout: float = 600.0  # seconds for one /generate call
+    max_request_retries: int = 5  # retries of one request after engine errors
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    eval_prompt_data: str | None = None
+    eval_temperature: float = 0.0  # 0 = greedy
+    n_samples_per_eval_prompt: int = 1
+    eval_max_response_len: int | None = None  # None: rollout_max_response_len
+
+
+@dataclass
+class PluginSettings:
+    """Import paths of the plugins and the reward choice."""
+
+    rollout_function_path: str = "rollout_manager.rollout.generate_rollout"
+    custom_generate_function_path: str | None = None
+    rm_type: str = "math"  # built-in reward (plugins.rewards.BUILTIN_RMS)
+    rm_url: str | None = None  # remote reward model (overrides rm_type)
+    custom_rm_path: str | None = None  # overrides rm_type
+    group_rm: bool = False
+    reward_key: str | None = None
+    dynamic_sampling_filter_path: str | None = None
+
+
+@dataclass
+class RolloutSettings:
+    """Everything the rollout manager needs; built by ``arguments.settings_from_args``."""
+
+    hf_checkpoint: str | None = None
+    data: DataSettings = field(default_factory=DataSettings)
+    engines: EngineFleetSettings = field(default_factory=EngineFleetSettings)
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    plugins: PluginSettings = field(default_factory=PluginSettings)
+    seed: int = 1234

@@ -1,0 +1,72 @@
+"""Rollout metrics (``rollout/...`` or ``eval/...`` keys) and the human-readable summary."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from buffer.sample import Sample, Status
+from rollout_manager.generate import RolloutStats
+
+
+def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seconds: float,
+                    prefix: str = "rollout", reward_key: str | None = None) -> dict[str, float]:
+    """Metrics of one step: rewards, pass rates, lengths, truncation, throughput, failures."""
+    samples = [s for g in groups for s in g]
+    scored = [s.scalar_reward(reward_key) for s in samples if s.reward is not None]
+    lengths = [s.response_length for s in samples]
+    failures = Counter(s.metadata.get("failure_reason", "unknown") for s in samples if s.status == Status.FAILED)
+    if stats is not None:
+        failures.update(stats.failures)
+    generated = stats.generated_tokens if stats is not None else sum(lengths)
+    m: dict[str, float] = {
+        "num_groups": len(groups),
+        "num_samples": len(samples),
+        "reward_mean": statistics.fmean(scored) if scored else float("nan"),
+        "reward_std": statistics.pstdev(scored) if len(scored) > 1 else 0.0,
+        "pass_rate": sum(r > 0 for r in scored) / len(scored) if scored else float("nan"),
+        "pass_at_k": (sum(any(s.reward is not None and s.scalar_reward(reward_key) > 0 for s in g) for g in groups)
+                      / len(groups)) if groups else float("nan"),
+        "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "response_len_max": max(lengths, default=0),
+        "response_len_min": min(lengths, default=0),
+        "truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples) if samples else 0.0,
+        "failed_frac": sum(s.status == Status.FAILED for s in samples) / len(samples) if samples else 0.0,
+        "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        "time_s": seconds,
+    }
+    versions = [v for s in samples for v in s.weight_versions]
+    if versions:
+        m["weight_version_min"], m["weight_version_max"] = min(versions), max(versions)
+    if stats is not None:
+        m.update(requests=stats.requests, retries=stats.retries, aborted_requests=stats.aborted_requests,
+                 dropped_groups=stats.dropped_groups, returned_groups=stats.returned_groups)
+    for reason, n in sorted(failures.items()):
+        m[f"failures/{reason}"] = n
+    out = {f"{prefix}/{k}": float(v) for k, v in m.items()}
+    if prefix == "eval":
+        out["eval/accuracy"] = out["eval/reward_mean"]
+    return out
+
+
+def format_summary(metrics: dict[str, float], title: str = "rollout summary") -> str:
+    """A short table of the metrics for the terminal."""
+    width = max(len(k) for k in metrics) if metrics else 10
+    lines = [title, "-" * (width + 16)]
+    for k, v in metrics.items():
+        lines.append(f"{k:<{width}}  {v:>12.4g}")
+    return "\n".join(lines)
+
+
+def merge_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Average metrics over steps (counters summed)."""
+    if not per_step:
+        return {}
+    summed = ("num_groups", "num_samples", "requests", "retries", "aborted_requests", "dropped_groups",
+              "returned_groups", "time_s", "failures/")
+    keys = sorted({k for m in per_step for k in m})
+    out = {}
+    for k in keys:
+        vals = [m[k] for m in per_step if k in m]
+        out[k] = sum(vals) if any(s in k for s in summed) else statistics.fmean(vals)
+    return out
