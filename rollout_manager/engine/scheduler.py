@@ -73,7 +73,8 @@ class Scheduler:
         self._alive_idx = torch.zeros(0, dtype=torch.long)
         self._row_params: RowParams | None = None
         self._n_running = 0
-        self.steps = 0
+        self.steps = 0  # decode steps run
+        self.finished = 0  # requests finished (any reason)
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -284,6 +285,7 @@ class Scheduler:
             if self._live.get(req.rid) is req:
                 del self._live[req.rid]
         req.finish_reason, req.error, req.weight_version = reason, error, self.weight_version
+        self.finished += 1
         try:
             req.on_finish(req)
         except Exception:  # a broken callback must not take the loop down; it is logged

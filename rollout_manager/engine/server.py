@@ -239,7 +239,8 @@ class Engine:
                   "served_model_name": self.settings.served_model_name or self.model_path,
                   "version": VERSION, "status": "ready",
                   "internal_states": [{"weight_version": self.scheduler.weight_version,
-                                       "decode_steps": self.scheduler.steps, **self.scheduler.load()}]})
+                                       "decode_steps": self.scheduler.steps,
+                                       "finished_reqs": self.scheduler.finished, **self.scheduler.load()}]})
         return _json(s)
 
     async def get_load(self, request: web.Request) -> web.Response:

@@ -1,0 +1,89 @@
+"""Fixtures of the embedded-engine tests: a toy model and engine subprocesses started the way
+users start them (``launch_engine_process`` runs ``python -m rollout_manager.engine``).
+
+Tests that open sockets must run inside a loopback-only network namespace (as CI does):
+``unshare -n bash -c 'ip link set lo up && exec pytest -q tests/test_engine_*.py'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on sys.path
+    sys.path.insert(0, str(ROOT))
+
+
+def make_toy_model(out: Path, *extra: str) -> Path:
+    """Build the toy model through scripts/make_toy_model.py's main (the users' code path)."""
+    spec = importlib.util.spec_from_file_location("make_toy_model", ROOT / "scripts" / "make_toy_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.main(["--out", str(out), "--num-train", "10", "--num-eval", "4", *extra])
+
+
+@pytest.fixture(scope="session")
+def engine_model(tmp_path_factory) -> Path:
+    """The toy llama chat model (random weights, seed 0)."""
+    return make_toy_model(tmp_path_factory.mktemp("engine_toy") / "model")
+
+
+@pytest.fixture(scope="session")
+def engine_model_b(tmp_path_factory) -> Path:
+    """The same architecture with other weights (seed 1): the target of weight updates."""
+    return make_toy_model(tmp_path_factory.mktemp("engine_toy_b") / "model", "--seed", "1")
+
+
+def start_engine(model: Path, **settings: Any) -> tuple[subprocess.Popen, str]:
+    from rollout_manager.engine import EngineSettings, launch_engine_process
+
+    return launch_engine_process(EngineSettings(model_path=str(model), port=0, **settings), timeout_s=120)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def engine_url(engine_model) -> Iterator[str]:
+    """One engine subprocess (seed 0) shared by a test module."""
+    proc, url = start_engine(engine_model, random_seed=0)
+    try:
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def run(coro: Awaitable[Any], timeout: float = 120.0) -> Any:
+    """Run a coroutine to completion with a bound (no test can hang)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype="float32").eval()
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    """Log-probs of ``response`` under a full forward over prompt+response (SGLang's definition:
+    log_softmax(logits / temperature), temperature 1 for greedy)."""
+    import torch
+
+    ids = torch.tensor([prompt + response])  # [1, P+R]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # [R, V]
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [R, V]
+    return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()

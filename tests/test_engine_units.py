@@ -1,0 +1,157 @@
+"""Embedded engine, in-process parts (no sockets): request validation, sampling, the batched
+left-padded KV cache (join/leave keeps every row exact), settings, bucket packing/checksums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _fixtures_engine import engine_model, hf_model, reference_logprobs  # noqa: F401  (fixtures)
+from rollout_manager.engine.protocol import ProtocolError, SamplingParams, parse_generate
+from rollout_manager.engine.sampling import build_row_params, sample
+from rollout_manager.engine.settings import EngineSettings, parse_settings
+from weight_sync.buckets import flatten_bucket, tensor_checksum, unflatten_bucket
+
+V = 50
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"text": "a", "input_ids": [1]}, "text/input_ids"),
+    ({}, "text/input_ids"),
+    ({"input_ids": [1, V]}, "input_ids"),
+    ({"input_ids": [1, -1]}, "input_ids"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [[1], [2]]}, "input_ids"),
+    ({"input_ids": [1], "bogus": 1}, "bogus"),
+    ({"input_ids": [1], "sampling_params": {"tempreature": 1}}, "sampling_params.tempreature"),
+    ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2.5}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "sampling_params.min_p"),
+    ({"input_ids": [1], "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [V]}}, "sampling_params.stop_token_ids"),
+    ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "sampling_params.repetition_penalty"),
+    ({"input_ids": [1], "stream": True}, "stream"),
+    ({"input_ids": [1], "rid": 5}, "rid"),
+    ([1, 2], "body"),
+])
+def test_bad_requests_name_the_field(body, field):
+    with pytest.raises(ProtocolError) as e:
+        parse_generate(body, V)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_good_request_defaults_and_neutral_fields():
+    gi = parse_generate({"text": "hi", "sampling_params": {"temperature": 0, "stop": "x", "n": 1,
+                                                          "repetition_penalty": 1.0}, "logprob_start_len": -1}, V)
+    assert gi.text == "hi" and gi.input_ids is None and gi.rid and not gi.return_logprob
+    assert gi.params.stop == ("x",) and gi.params.greedy and gi.params.max_new_tokens == 128
+
+
+def _rows(params, gens=None):
+    return build_row_params(params, gens or [None] * len(params), V, torch.device("cpu"))
+
+
+def test_sampling_logprobs_are_before_filtering_and_filters_hold():
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)  # [4, V]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3),
+              SamplingParams(temperature=1.3, top_p=0.2), SamplingParams(temperature=1.0, min_p=0.5)]
+    rows = _rows(params)
+    g = torch.Generator().manual_seed(1)
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0])
+    full = torch.log_softmax(logits / temps[:, None], -1)  # [4, V]
+    top3 = set(logits[1].topk(3).indices.tolist())
+    probs2 = torch.softmax(logits[2] / 1.3, -1)
+    order = probs2.argsort(descending=True)
+    nucleus = set(order[: int((probs2[order].cumsum(0) - probs2[order] <= 0.2).sum())].tolist())
+    probs3 = torch.softmax(logits[3], -1)
+    minp = set((probs3 >= 0.5 * probs3.max()).nonzero().flatten().tolist())
+    seen = set()
+    for _ in range(200):
+        tok, lp = sample(logits, rows, g)
+        assert tok[0] == logits[0].argmax()
+        assert tok[1].item() in top3 and tok[2].item() in nucleus and tok[3].item() in minp
+        torch.testing.assert_close(lp, full.gather(1, tok[:, None]).squeeze(1), rtol=0, atol=1e-6)
+        seen.add(tok[1].item())
+    assert seen == top3  # top-k samples, it does not collapse to greedy
+
+
+def test_seeded_row_does_not_depend_on_batch_mates():
+    torch.manual_seed(0)
+    steps = [torch.randn(3, V) for _ in range(20)]  # [3, V] per step
+    seeded = SamplingParams(temperature=1.0, sampling_seed=42)
+    alone = _rows([seeded], [torch.Generator().manual_seed(42)])
+    mixed = _rows([SamplingParams(temperature=0.9), seeded, SamplingParams(temperature=0.0)],
+                  [None, torch.Generator().manual_seed(42), None])
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(99)
+    a = [sample(lg[1:2], alone, g1)[0].item() for lg in steps]
+    b = [sample(lg, mixed, g2)[0][1].item() for lg in steps]
+    assert a == b and len(set(a)) > 1
+
+
+def test_runner_join_and_leave_keep_rows_exact(engine_model):
+    """Rows prefilled together, a row joining mid-flight and rows leaving: every returned
+    log-prob equals a full forward over that row alone."""
+    from rollout_manager.engine.model_runner import ModelRunner
+
+    r = ModelRunner(EngineSettings(model_path=str(engine_model)))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(7, r.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 2)]
+    seqs, lps = [list(p) for p in prompts], [[] for _ in prompts]
+
+    def take(logits, batch, rows):
+        tok = logits.argmax(-1)  # [B]
+        batch.last_tok = tok
+        for j, (i, t) in enumerate(zip(rows, tok.tolist())):
+            seqs[i].append(t)
+            lps[i].append(torch.log_softmax(logits[j], -1)[t].item())
+
+    logits, batch = r.prefill(prompts)
+    rows = [0, 1, 2]
+    take(logits, batch, rows)
+    for step in range(8):
+        if step == 2:  # a longer prompt joins the running batch
+            seqs.append(torch.randint(7, r.vocab_size, (17,), generator=g).tolist())
+            lps.append([])
+            l2, nb = r.prefill([seqs[3]])
+            take(l2, nb, [3])
+            batch = r.merge(batch, torch.arange(batch.size), nb)
+            rows = rows + [3]
+        if step == 5:  # rows 0 and 3 leave
+            batch = r.select(batch, torch.tensor([1, 2]))
+            rows = [1, 2]
+        take(r.decode(batch), batch, rows)
+    model = hf_model(engine_model)
+    for s, lp in zip(seqs, lps):
+        ref = reference_logprobs(model, s[:len(s) - len(lp)], s[len(s) - len(lp):], 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, lp)) <= 1e-5
+
+
+def test_settings_validation_and_cli_roundtrip(tmp_path):
+    with pytest.raises(ValueError, match="--dtype"):
+        EngineSettings(model_path=str(tmp_path), dtype="fp8")
+    with pytest.raises(ValueError, match="--max-running-requests"):
+        EngineSettings(model_path=str(tmp_path), max_running_requests=0)
+    s = EngineSettings(model_path=str(tmp_path), port=1234, random_seed=3, context_length=64)
+    assert parse_settings(s.to_cli()) == s
+
+
+def test_flattened_bucket_roundtrip_and_checksums():
+    ts = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 1, 2)]
+    flat = flatten_bucket(ts)  # [21]
+    assert flat.shape == (21,)
+    back = unflatten_bucket(flat, [t.shape for t in ts])
+    assert all(torch.equal(a, b) for a, b in zip(ts, back))
+    with pytest.raises(ValueError, match="dtype"):
+        flatten_bucket([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="elements"):
+        unflatten_bucket(flat, [[3, 4]])
+    assert tensor_checksum(ts[0]) == tensor_checksum(ts[0].clone())
+    bumped = ts[0].clone()
+    bumped[0, 0] = torch.nextafter(bumped[0, 0], torch.tensor(10.0))
+    assert tensor_checksum(bumped) != tensor_checksum(ts[0])
+    assert tensor_checksum(ts[0], torch.bfloat16) == tensor_checksum(ts[0].bfloat16())
