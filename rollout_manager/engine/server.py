@@ -78,7 +78,7 @@ class Engine:
                         ("/get_model_info", self.model_info), ("/server_info", self.server_info),
                         ("/get_server_info", self.server_info), ("/get_load", self.get_load),
                         ("/get_weight_version", self.get_weight_version),
-                        ("/weights_checksum", self.weights_checksum)):
+                        ("/weights_checksum", self.weights_checksum), ("/weights_info", self.weights_info)):
             r.add_get(path, h)
             r.add_post(path, h)
         r.add_post("/init_weights_update_group", self._weights(self.init_weights_update_group))
@@ -265,6 +265,17 @@ class Engine:
         except ValueError as e:
             return _bad(str(e))
         return _json(sums)
+
+    async def weights_info(self, request: web.Request) -> web.Response:
+        """``{"params": [{name, shape, dtype, tied_to}]}``: what weight_sync validates a push against
+        (``tied_to``: the first name sharing this parameter's storage, or null)."""
+        first: dict[int, str] = {}
+        out = []
+        for n, p in self.weights._params.items():
+            tied = first.setdefault(p.data_ptr(), n)
+            out.append({"name": n, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
+                        "tied_to": None if tied == n else tied})
+        return _json({"params": out})
 
     # --- weights ------------------------------------------------------------------------------
     def _weights(self, fn: Callable[[dict], Awaitable[str]]) -> Callable[[web.Request], Awaitable[web.Response]]:
