@@ -112,6 +112,13 @@ def masked_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: floa
     return out
 
 
+def flat_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                   temperature: float) -> torch.Tensor:
+    """``[N, Vp/tp]`` vocab-parallel logits, ``[N]`` targets -> ``[N]`` log-probs (differentiable)."""
+    x = masked_vocab_logits(logits, vocab_size, temperature)  # [N, Vp/tp]
+    return -tensor_parallel.vocab_parallel_cross_entropy(x, targets)  # [N]
+
+
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
                     temperature: float) -> torch.Tensor:
     """Log-prob of each next token, engine-style (log-softmax of logits / temperature).
@@ -126,18 +133,19 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
                                                          target.transpose(0, 1).contiguous()).transpose(0, 1)  # [b, T-1]
 
 
-def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Entropy of the next-token distribution, ``[b, T, Vp/tp]`` -> ``[b, T-1]`` (TP-exact)."""
-    x = masked_vocab_logits(logits[:, :-1], vocab_size, temperature)  # [b, T-1, Vp/tp]
+def flat_entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """Entropy of the tempered next-token distribution, ``[..., Vp/tp]`` -> ``[...]`` (TP-exact,
+    differentiable)."""
+    x = masked_vocab_logits(logits, vocab_size, temperature)  # [..., Vp/tp]
     group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
-        m = x.max(dim=-1, keepdim=True).values  # [b, T-1, 1]
+        m = x.max(dim=-1, keepdim=True).values  # [..., 1]
         torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-    e = torch.exp(x - m)  # [b, T-1, Vp/tp]; padded columns -> 0
+    e = torch.exp(x - m)  # [..., Vp/tp]; padded columns -> 0
     reduce = tensor_parallel.reduce_from_tensor_model_parallel_region
-    z = reduce(e.sum(-1))  # [b, T-1]
-    ex = reduce((e * torch.nan_to_num(x - m, neginf=0.0)).sum(-1))  # [b, T-1]
-    return torch.log(z) - ex / z  # [b, T-1]
+    z = reduce(e.sum(-1))  # [...]
+    ex = reduce((e * torch.nan_to_num(x - m, neginf=0.0)).sum(-1))  # [...]
+    return torch.log(z) - ex / z  # [...]
 
 
 def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -146,5 +154,5 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return full[..., :vocab_size]
 
 
-__all__ = ["MicroBatch", "make_micro_batches", "run_pipeline", "token_log_probs", "token_entropy",
+__all__ = ["MicroBatch", "make_micro_batches", "run_pipeline", "token_log_probs", "flat_log_probs", "flat_entropy",
            "gather_vocab", "masked_vocab_logits"]

@@ -153,6 +153,9 @@ def transformer_config(dims: ModelDims, *, params_dtype: torch.dtype, tp_size: i
         use_cpu_initialization=on_cpu,
         attention_softmax_in_fp32=True,
         init_method_std=0.02,
+        # The backend's losses are already normalised by step-wide denominators: megatron must
+        # neither divide them by the micro-batch count nor average gradients over DP ranks.
+        calculate_per_token_loss=True,
     )
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

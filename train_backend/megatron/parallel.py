@@ -42,9 +42,6 @@ def init_parallel_state(tp_size: int, pp_size: int, seed: int, device: torch.dev
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
-        # Extra gloo groups are only needed by gloo-based checkpoint code paths we do not use;
-        # on CPU the default groups are gloo already.
-        create_gloo_process_groups=False,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

@@ -1,0 +1,75 @@
+"""Command-line flags of the Megatron backend (slime's / Megatron-LM's names) and their settings.
+
+The launcher calls :func:`add_arguments` beside the torch half's ``train_backend/arguments.py``;
+:func:`settings_from_args` builds and validates :class:`MegatronSettings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
+@dataclass
+class MegatronSettings:
+    """Parallel layout and Megatron-specific knobs. Field defaults are the flag defaults."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    make_vocab_size_divisible_by: int = 128
+    recompute_activations: bool = False  # full recompute of every layer (saves activation memory)
+    transformer_impl: str = "auto"  # auto = TransformerEngine if installed, else local + SDPA
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag of the first bad field."""
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(f"--tensor-model-parallel-size={self.tensor_model_parallel_size} must be >= 1")
+        if self.pipeline_model_parallel_size < 1:
+            raise ValueError(f"--pipeline-model-parallel-size={self.pipeline_model_parallel_size} must be >= 1")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"--make-vocab-size-divisible-by={self.make_vocab_size_divisible_by} must be >= 1")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"--transformer-impl={self.transformer_impl!r}: expected one of "
+                             f"{', '.join(TRANSFORMER_IMPLS)}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the Megatron backend's flags to ``parser``."""
+    d = MegatronSettings
+    g = parser.add_argument_group("megatron backend")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=d.tensor_model_parallel_size,
+                   help="tensor-parallel ranks per model replica")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=d.pipeline_model_parallel_size,
+                   help="pipeline stages per model replica")
+    g.add_argument("--sequence-parallel", action="store_true", default=d.sequence_parallel,
+                   help="shard activations along the sequence inside TP regions")
+    g.add_argument("--use-distributed-optimizer", action="store_true", default=d.use_distributed_optimizer,
+                   help="shard optimizer state and fp32 master weights over data-parallel ranks")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=d.make_vocab_size_divisible_by,
+                   help="pad the vocabulary to a multiple of this x TP size")
+    g.add_argument("--recompute-activations", action="store_true", default=d.recompute_activations,
+                   help="recompute every layer's activations in backward (full, uniform, 1 layer)")
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=d.transformer_impl,
+                   help="layer implementation: TransformerEngine or megatron-core local layers + SDPA")
+
+
+def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
+    """Build :class:`MegatronSettings` from parsed flags (``ValueError`` naming bad flags)."""
+    return MegatronSettings(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        recompute_activations=args.recompute_activations,
+        transformer_impl=args.transformer_impl,
+    )

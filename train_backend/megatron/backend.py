@@ -1,0 +1,354 @@
+"""The Megatron-core train backend: TP x PP x DP through megatron-core's parallel state, its DDP
+wrapper and (distributed) optimizer; bf16 on GPU; runs on CPU with gloo through
+:mod:`~train_backend.megatron.cpu_compat`.
+
+One :meth:`MegatronBackend.train_step` = one rollout batch, exactly like the torch backend (the
+batch preparation, advantages, step split and RL loss are the shared ones in
+:mod:`train_backend.batching` / :mod:`train_backend.losses`): rank 0's groups are broadcast, each
+optimizer step's samples are balanced over data-parallel replicas by tokens, right-padded into
+equal-shape micro-batches and run through megatron's pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+
+from buffer.sample import Sample
+from train_backend.batching import RolloutBatch, balance, pack, prepare_batch, split_steps
+from train_backend.interfaces import TrainSettings
+from train_backend.losses import LossConfig, LossDenominators, masked_whiten, rl_loss
+from train_backend.megatron import checkpoint, cpu_compat, forward, model as mmodel, parallel, saving
+from train_backend.megatron.arguments import MegatronSettings
+from train_backend.schedule import learning_rate
+
+# Stats of rl_loss that are token means over the step (averaged over optimizer steps), and raw sums
+# normalised by the rollout-token count; same names as the torch backend.
+_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "tis_weight", "tis_clipfrac")
+_ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
+_ALL_STATS = _STEP_STATS + _ROLLOUT_STATS + ("_rollout_tokens",)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _on_device(fn: F) -> F:
+    """Run the method inside the CPU compatibility layer when the backend is on the CPU."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "MegatronBackend", *args: Any, **kwargs: Any) -> Any:
+        with cpu_compat.maybe_cpu_mode(self.device):
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _finalize_grads(model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+    # The losses are already normalised; never let megatron divide by its token count.
+    finalize_model_grads(model, None, **kwargs)
+
+
+class MegatronBackend:
+    """See :class:`~train_backend.interfaces.TrainBackend`. Every rank of the job constructs one
+    and calls each method in the same order (they are collective)."""
+
+    def __init__(self, settings: TrainSettings, megatron: MegatronSettings | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.settings = settings
+        self.mcfg = megatron or MegatronSettings()
+        self.loss_cfg = LossConfig.from_settings(settings)
+        self.device = torch.device(settings.device)
+        if settings.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--train-dtype={settings.dtype!r}: the Megatron backend supports float32 and bfloat16")
+        self.dtype = getattr(torch, settings.dtype)
+        self.hf_config = AutoConfig.from_pretrained(settings.hf_checkpoint)
+        with cpu_compat.maybe_cpu_mode(self.device):
+            self._init_distributed()
+            tp, pp = self.mcfg.tensor_model_parallel_size, self.mcfg.pipeline_model_parallel_size
+            parallel.init_parallel_state(tp, pp, settings.seed, self.device)
+            self.dims = mmodel.dims_from_hf(self.hf_config, self.mcfg.make_vocab_size_divisible_by, tp)
+            if self.dims.num_layers % pp:
+                raise ValueError(f"--pipeline-model-parallel-size={pp} does not divide the "
+                                 f"{self.dims.num_layers} layers")
+            self.config = mmodel.transformer_config(
+                self.dims, params_dtype=self.dtype, tp_size=tp, pp_size=pp,
+                sequence_parallel=self.mcfg.sequence_parallel, on_cpu=self.device.type == "cpu",
+                recompute=self.mcfg.recompute_activations)
+            reader = checkpoint.HFCheckpointReader(settings.hf_checkpoint)
+            self.max_seq_len = self.dims.max_position_embeddings
+            module = self._build(reader)
+            ddp_cfg = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=self.mcfg.use_distributed_optimizer)
+            self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=module)
+            self.ref_model = self._build(reader).eval().requires_grad_(False) if settings.use_kl_loss else None
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+                                weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+                                adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+                                clip_grad=settings.clip_grad, bf16=self.dtype == torch.bfloat16,
+                                params_dtype=self.dtype,
+                                use_distributed_optimizer=self.mcfg.use_distributed_optimizer),
+                [self.model])
+            self.config.no_sync_func = self.model.no_sync
+            self.config.finalize_model_grads_func = _finalize_grads
+        self.optimizer_steps = 0
+        self.rank = dist.get_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+
+    # --- setup --------------------------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        if dist.is_initialized():
+            return
+        if "RANK" in os.environ:
+            parallel.init_distributed(self.device)
+            return
+        # A single process without a launcher: a one-rank group over a file store (no sockets).
+        store = dist.FileStore(tempfile.mktemp(prefix="reservoir_megatron_"), 1)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+
+    def _build(self, reader: checkpoint.HFCheckpointReader) -> torch.nn.Module:
+        """This stage's model with the HF weights, on the device (bf16 under Float16Module)."""
+        use_te = {"auto": None, "local": False, "transformer_engine": True}[self.mcfg.transformer_impl]
+        if use_te and not mmodel.HAVE_TE:
+            raise ValueError("--transformer-impl=transformer_engine but TransformerEngine is not installed")
+        model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te).to(self.device)
+        checkpoint.load_hf_weights(model, reader, self.dims)
+        if self.dtype == torch.bfloat16:
+            # Float16Module: the pipeline's last stage hands fp32 logits to the loss.
+            model = Float16Module(self.config, model)
+        return model
+
+    # --- batching -----------------------------------------------------------------------------
+    def _micro_batches(self, samples: list[Sample], advantages: list[float] | None) -> list[forward.MicroBatch]:
+        """Right-padded equal-shape micro-batches of ``samples``, with the flat ``[N]`` loss inputs
+        of :func:`train_backend.batching.pack` and each response token's logit position."""
+        if not samples:
+            raise ValueError("no samples")
+        multiple = 8 * (self.mcfg.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+        mbs = forward.make_micro_batches([s.tokens for s in samples], self.settings.max_tokens_per_micro_batch,
+                                         self.device, pad_to_multiple=multiple)
+        t = mbs[0].tokens.shape[1]
+        for mb in mbs:
+            real = [(r, row) for r, row in enumerate(mb.rows) if row >= 0]
+            packed = pack([samples[row] for _, row in real],
+                          None if advantages is None else [advantages[row] for _, row in real])
+            # logit at (r, p) predicts token p+1: response token i of a sample of length n with
+            # response r_len sits at p = n - r_len - 1 + i.
+            pos = [torch.arange(r * t + len(samples[row].tokens) - samples[row].response_length - 1,
+                                r * t + len(samples[row].tokens) - 1) for r, row in real]
+            mb.extra["packed"] = packed.to(self.device)
+            mb.extra["logit_pos"] = torch.cat(pos).to(self.device)  # [N]
+        return mbs
+
+    def _filler(self, sample: Sample) -> list[forward.MicroBatch]:
+        """One micro-batch whose loss mask is all zero: lets a replica with no samples take part."""
+        mbs = self._micro_batches([sample], [0.0])
+        mbs[0].extra["packed"].loss_mask.zero_()
+        mbs[0].extra["packed"].rollout_mask.zero_()
+        return mbs
+
+    def _logp(self, mb: forward.MicroBatch, logits: torch.Tensor, with_entropy: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-token log-probs ``[N]`` (and entropies) from the stage output ``[b, T, Vp/tp]``."""
+        packed = mb.extra["packed"]
+        flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
+        temp = self.settings.rollout_temperature
+        logp = forward.flat_log_probs(flat, packed.targets, self.dims.vocab_size, temp)  # [N]
+        ent = forward.flat_entropy(flat, self.dims.vocab_size, temp) if with_entropy else None  # [N]
+        return logp, ent
+
+    def _forward_only(self, model: torch.nn.Module, mbs: list[forward.MicroBatch]) -> list[torch.Tensor | None]:
+        """Per micro-batch log-probs ``[N]`` on the last stage (None elsewhere)."""
+        def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            logp, _ = self._logp(mb, logits, False)
+            return logits.new_zeros(()), {"logp": logp.detach()}
+
+        with torch.no_grad():
+            out = forward.run_pipeline([model], mbs, loss_fn, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return [None] * len(mbs)
+        return [o["logp"] for o in out]
+
+    # --- training -----------------------------------------------------------------------------
+    def _receive(self, groups: list[list[Sample]] | None) -> list[list[Sample]]:
+        box = [groups if self.rank == 0 else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            raise ValueError("train_step: rank 0 passed groups=None")
+        return box[0]
+
+    def _replica_share(self, batch: RolloutBatch, idx: list[int], adv: list[float]) -> list[forward.MicroBatch]:
+        lengths = [len(batch.samples[i].tokens) for i in idx]
+        share = [idx[j] for j in balance(lengths, self.dp_size)[self.dp_rank]]
+        if not share:
+            return self._filler(batch.samples[idx[0]])
+        return self._micro_batches([batch.samples[i] for i in share], [adv[i] for i in share])
+
+    @_on_device
+    def train_step(self, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
+        """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
+        t0 = time.perf_counter()
+        s = self.settings
+        batch = prepare_batch(self._receive(groups), s.advantage_estimator, s.reward_key, self.max_seq_len)
+        metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
+                                     "train/num_samples": float(len(batch.samples))}
+        metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
+        if not batch.samples:
+            metrics["train/skipped_step"] = 1.0
+            return metrics
+        adv = batch.advantages
+        if s.normalize_advantages:
+            counts = torch.tensor([sum(x.loss_mask) for x in batch.samples])  # [B]
+            per_token = torch.tensor(adv, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
+            white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
+            adv = white[torch.cumsum(counts, 0) - counts].tolist()
+        norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
+        steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
+        plans = [self._replica_share(batch, list(r), adv) for r in steps]
+        # Old log-probs: with one optimizer step the policy is unchanged at each forward, so the
+        # detached training log-probs are the old ones; otherwise a forward-only pass first.
+        if len(steps) > 1:
+            for mbs in plans:
+                for mb, lp in zip(mbs, self._forward_only(self.model, mbs)):
+                    mb.extra["old_logp"] = lp
+        if self.ref_model is not None:
+            for mbs in plans:
+                for mb, lp in zip(mbs, self._forward_only(self.ref_model, mbs)):
+                    mb.extra["ref_logp"] = lp
+
+        sums = torch.zeros(len(_ALL_STATS), dtype=torch.float64)
+        grad_norms, lrs, tokens = [], [], 0
+        for k, (r, mbs) in enumerate(zip(steps, plans)):
+            step_samples = [batch.samples[i] for i in r]
+            denom = LossDenominators(float(sum(sum(x.loss_mask) for x in step_samples)),
+                                     float(len(step_samples)), norm_length)
+
+            def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom
+                        ) -> tuple[torch.Tensor, dict]:
+                p = mb.extra["packed"]
+                logp, ent = self._logp(mb, logits, with_entropy=True)
+                if s.entropy_coef == 0:
+                    ent = ent.detach()
+                old = mb.extra.get("old_logp")
+                loss, stats = rl_loss(self.loss_cfg, denom, logp, logp.detach() if old is None else old,
+                                      p.advantages, p.loss_mask, p.seq_ids, p.num_seqs, entropy=ent,
+                                      ref_logp=mb.extra.get("ref_logp"), rollout_logp=p.rollout_logp,
+                                      rollout_mask=p.rollout_mask)
+                if not torch.isfinite(loss):
+                    raise RuntimeError(f"train_step {step}: non-finite loss {loss.item()} in optimizer "
+                                       f"step {k}; the weights were not updated")
+                return loss, stats
+
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            out = forward.run_pipeline([self.model], mbs, loss_fn, forward_only=False)
+            if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+                for st in out:
+                    for i, name in enumerate(_ALL_STATS):
+                        if name in st:
+                            sums[i] += float(st[name])
+            tokens += sum(int(mb.extra["packed"].input_ids.numel()) for mb in mbs
+                          if mb.extra["packed"].loss_mask.any())
+            lr = learning_rate(s, self.optimizer_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            lrs.append(lr)
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok or grad_norm is None or not torch.isfinite(torch.tensor(float(grad_norm))):
+                raise RuntimeError(f"train_step {step}: optimizer step {k} failed (grad norm {grad_norm}); "
+                                   "the weights were not updated")
+            grad_norms.append(float(grad_norm))
+            self.optimizer_steps += 1
+        metrics.update(self._reduce(sums, len(steps), tokens))
+        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["train/lr"] = lrs[-1]
+        metrics["train/optimizer_steps"] = float(len(steps))
+        elapsed = time.perf_counter() - t0
+        metrics["train/tokens_per_s"] = metrics.pop("train/_tokens") / elapsed
+        metrics["train/step_time_s"] = elapsed
+        return metrics
+
+    def _reduce(self, sums: torch.Tensor, num_steps: int, tokens: int) -> dict[str, float]:
+        """Stats live on the last stage's TP rank 0 of each replica: sum them over the world."""
+        first_of_replica = (parallel_state.get_pipeline_model_parallel_rank() == 0
+                            and parallel_state.get_tensor_model_parallel_rank() == 0)
+        vec = torch.cat([sums, torch.tensor([float(tokens) if first_of_replica else 0.0], dtype=torch.float64)])
+        vec = vec.to(self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(vec)
+        total = dict(zip(_ALL_STATS + ("_tokens",), vec.tolist()))
+        out = {f"train/{n}": total[n] / num_steps for n in _STEP_STATS
+               if n not in ("kl",) or self.ref_model is not None}
+        if not self.loss_cfg.use_tis:
+            out.pop("train/tis_weight"), out.pop("train/tis_clipfrac")
+        if total["_rollout_tokens"] > 0:
+            out.update({f"train/{n}": total[n] / total["_rollout_tokens"] for n in _ROLLOUT_STATS})
+        out["train/_tokens"] = total["_tokens"]
+        return out
+
+    # --- inference ----------------------------------------------------------------------------
+    @_on_device
+    def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token log-probs of the current policy (logits / ``--rollout-temperature``).
+        Collective: every rank passes the same samples and gets all of them; each data-parallel
+        replica computes a share."""
+        out: dict[int, list[float]] = {i: [] for i in range(len(samples))}
+        todo = [i for i, x in enumerate(samples) if 0 < x.response_length < len(x.tokens)]
+        mine: dict[int, list[float]] = {}
+        if todo:
+            share = [todo[j] for j in balance([len(samples[i].tokens) for i in todo], self.dp_size)[self.dp_rank]]
+            if share:
+                mbs = self._micro_batches([samples[i] for i in share], None)
+            else:
+                mbs = self._filler(samples[todo[0]])
+            results = self._forward_only(self.model, mbs)
+            if parallel_state.is_pipeline_last_stage() and share:
+                for mb, lp in zip(mbs, results):
+                    assert lp is not None
+                    real = [row for row in mb.rows if row >= 0]
+                    for row, t in zip(real, mb.extra["packed"].split(lp)):
+                        mine[share[row]] = t.float().tolist()
+        if dist.get_world_size() > 1:
+            gathered: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        for part in gathered:
+            out.update(part)
+        return [out[i] for i in range(len(samples))]
+
+    # --- weights and checkpoints ----------------------------------------------------------------
+    def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF names on global rank 0 (nothing elsewhere); TP shards are
+        gathered and PP stages send theirs to rank 0. Collective: every rank must exhaust it."""
+        return checkpoint.iter_hf_weights(self.model, self.dims)
+
+    @_on_device
+    def save(self, path: str) -> None:
+        """Model, optimizer (incl. fp32 master weights; sharded state under the distributed
+        optimizer), step counter and RNG states, one file set per rank (same layout to load)."""
+        saving.save(self, path)
+
+    @_on_device
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote (``RuntimeError`` on a layout mismatch)."""
+        saving.load(self, path)
+
+    @_on_device
+    def export_hf(self, path: str) -> None:
+        """Write an HF checkpoint (config, safetensors, tokenizer) of the current weights from rank 0."""
+        saving.export_hf(self, path)
