@@ -1,0 +1,49 @@
+"""Reservoir's launcher: RL post-training end to end, in one short driver.
+
+    python scripts/train.py --config examples/toy/grpo_cpu.yaml --output-dir runs/toy
+
+Sync mode (``--max-weight-staleness`` 0 or unset): rollout step k, train step k, weight sync,
+repeat. Async mode (``--max-weight-staleness K > 0``): the rollout manager keeps producing into
+the buffer while the trainer trains; the buffer withholds groups more than K versions old.
+The two modes differ only in where the driver waits: on the rollout (sync) or on the buffer.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arguments import parse_args  # noqa: E402
+from components import Run  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    run = Run.start(args)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
+    try:
+        if run.should_eval(run.start_step, before_train=True):
+            run.evaluate(run.start_step)
+        if run.is_async:
+            run.start_async_rollout()
+        for step in run.progress(range(run.start_step, args.num_rollout)):
+            t0 = time.perf_counter()
+            if not run.is_async:
+                run.generate(step)  # sync: fill the buffer with this step's groups
+            groups = run.get_batch(step)  # waits on the buffer (the only wait in async mode)
+            run.train(step, groups)
+            run.update_weights(step + 1)  # engines now serve version step+1
+            run.maybe_save(step)
+            if run.should_eval(step + 1):
+                run.evaluate(step + 1)
+            run.log_step(step, step_time=time.perf_counter() - t0)
+    finally:
+        run.finish()
+    return run.output_dir
+
+
+if __name__ == "__main__":
+    main()
