@@ -70,9 +70,12 @@ _IGNORED_SAMPLING = {"stream_interval"}  # transport hints without effect on the
 _NEUTRAL_TOP = {"stream": False, "top_logprobs_num": 0, "token_ids_logprob": None, "image_data": None,
                 "video_data": None, "audio_data": None, "lora_path": None, "session_params": None,
                 "custom_logit_processor": None, "return_hidden_states": False, "input_embeds": None,
-                "return_routed_experts": False}
+                "return_routed_experts": False,
+                # sglang-router (0.3.2) forwards these with their defaults on every request
+                "background": False, "return_bytes": False, "return_entropy": False}
 _IGNORED_TOP = {"logprob_start_len", "log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                "data_parallel_rank", "priority", "modalities", "extra_key", "no_logs", "routed_dp_rank"}
+                "data_parallel_rank", "priority", "modalities", "extra_key", "no_logs", "routed_dp_rank",
+                "model"}  # sglang-router adds "model": null to every request it forwards
 
 
 def _num(d: dict, name: str, kind: type, default: Any, path: str) -> Any:
