@@ -27,6 +27,7 @@ from rollout_manager.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 FAILURES_BEFORE_RESTART = 3
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @dataclass
@@ -48,6 +49,7 @@ def engine_command(settings: RolloutSettings, index: int, port: int) -> tuple[li
     """The command line and environment of engine ``index`` listening on ``port``."""
     e = settings.engines
     env = dict(os.environ)
+    env["PYTHONPATH"] = _REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")  # runnable from any cwd
     model = os.path.abspath(settings.hf_checkpoint or "")
     if e.rollout_engine == "sglang":
         gpus = range(index * e.rollout_num_gpus_per_engine, (index + 1) * e.rollout_num_gpus_per_engine)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import logging
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class RolloutContext:
     running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while paused
     active_steps: set[int] = field(default_factory=set)  # id()s of StepStates in progress
 
-
+log = logging.getLogger(__name__)
 _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reservoir_rollout_context")
 _STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
 
@@ -177,6 +178,7 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
             except EngineError as e:
                 out = None
                 if e.status is not None and 400 <= e.status < 500:
+                    log.warning("sample %s: engine rejected the request: %s", sample.index, e)
                     mark_failed(sample, f"engine: HTTP {e.status}")  # our request is bad: retrying won't help
                     return sample
                 attempt += 1
