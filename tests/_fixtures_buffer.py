@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -29,8 +30,12 @@ def ray_local():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    tests = Path(__file__).resolve().parent
+    # Workers import `buffer` (the repo) and functions defined in test modules (tests/).
+    path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="reservoir-tests")
+             configure_logging=False, namespace="reservoir-tests",
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         yield ray
     finally:
