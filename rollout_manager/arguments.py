@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=E.rollout_num_gpus_per_engine)
     g.add_argument("--engine-urls", nargs="+", default=list(E().engine_urls),
                    help="running SGLang-compatible servers to use instead of starting engines")
+    g.add_argument("--engine-extra-args", default=E.engine_extra_args,
+                   help="extra flags for each embedded (or instant) engine, as one string")
     g.add_argument("--sglang-router-ip", default=E.sglang_router_ip, help="a running sglang-router")
     g.add_argument("--sglang-router-port", type=int, default=E.sglang_router_port)
     g.add_argument("--engine-startup-timeout", type=float, default=E.engine_startup_timeout)
@@ -71,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="in-flight requests per engine")
     g.add_argument("--rollout-request-timeout", type=float, default=S.request_timeout)
     g.add_argument("--rollout-max-retries", type=int, default=S.max_request_retries)
+    g.add_argument("--dynamic-sampling-max-dropped-ratio", type=float, default=S.max_dropped_ratio,
+                   help="fail a step (instead of sampling forever) once the filter dropped this many times "
+                        "--rollout-batch-size groups")
     g.add_argument("--partial-rollout", action="store_true", default=S.partial_rollout)
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
                    default=S.mask_offpolicy_in_partial_rollout)
@@ -123,7 +128,7 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
               "rollout_max_response_len", "rollout_num_engines", "rollout_num_gpus_per_engine",
               "sglang_server_concurrency", "rollout_request_timeout", "n_samples_per_eval_prompt",
               "eval_max_response_len", "rollout_max_prompt_len", "num_epoch", "engine_startup_timeout",
-              "health_check_interval")
+              "health_check_interval", "dynamic_sampling_max_dropped_ratio")
     if args.rollout_max_retries < 0:
         raise ValueError(f"--rollout-max-retries must be >= 0, got {args.rollout_max_retries}")
     if args.rollout_num_gpus < 0:
@@ -161,8 +166,9 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
         sglang_args=list(sglang_args or []))
     sampling = SamplingSettings(
         **{k: a[k] for k in SamplingSettings.__dataclass_fields__
-           if k not in ("request_timeout", "max_request_retries")},
-        request_timeout=args.rollout_request_timeout, max_request_retries=args.rollout_max_retries)
+           if k not in ("request_timeout", "max_request_retries", "max_dropped_ratio")},
+        request_timeout=args.rollout_request_timeout, max_request_retries=args.rollout_max_retries,
+        max_dropped_ratio=args.dynamic_sampling_max_dropped_ratio)
     plugins = PluginSettings(**{k: a[k] for k in PluginSettings.__dataclass_fields__})
     return RolloutSettings(hf_checkpoint=args.hf_checkpoint, data=data, engines=engines, sampling=sampling,
                            plugins=plugins, seed=args.seed)

@@ -137,7 +137,9 @@ def load_prompts(path: str | Path, settings: DataSettings, tokenizer: Any,
     if report.skipped:
         log.warning("%s: skipped %d bad line(s): %s", path, len(report.skipped), report.skipped_by_reason)
     if not records:
-        raise ValueError(f"{flag} {str(path)!r}: no usable prompts ({len(report.skipped)} bad lines)")
+        raise ValueError(f"{flag} {str(path)!r}: no usable prompts ({len(report.skipped)} bad lines: "
+                         f"{report.skipped_by_reason}; first: line {report.skipped[0][0]}: {report.skipped[0][1]})"
+                         if report.skipped else f"{flag} {str(path)!r}: no prompts")
     return records, report
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -57,7 +58,8 @@ def engine_command(settings: RolloutSettings, index: int, port: int) -> tuple[li
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
                "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine), *e.sglang_args]
     elif e.rollout_engine == "instant":
-        cmd = [sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port), "--model-path", model]
+        cmd = [sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port), "--model-path", model,
+               *shlex.split(e.engine_extra_args)]
     else:
         from rollout_manager.engine.settings import EngineSettings
         if e.rollout_num_gpus:
@@ -65,7 +67,7 @@ def engine_command(settings: RolloutSettings, index: int, port: int) -> tuple[li
         threads = max(1, (os.cpu_count() or 1) // max(1, e.rollout_num_engines))
         es = EngineSettings(model_path=model, port=port, device="cuda" if e.rollout_num_gpus else "cpu",
                             random_seed=settings.seed + index, num_threads=None if e.rollout_num_gpus else threads)
-        cmd = [sys.executable, "-m", "rollout_manager.engine", *es.to_cli()]
+        cmd = [sys.executable, "-m", "rollout_manager.engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
 
 

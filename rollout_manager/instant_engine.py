@@ -5,7 +5,10 @@ health and info routes), so the real sglang-router registers it, and the rollout
 tell it from an engine. ``bench/rollout.py`` uses it to measure client throughput, and the
 tests use it to exercise routing, retries and aborts at full speed. It is not a model: each
 ``/generate`` returns ``--num-tokens`` copies of ``--token-id`` (fewer if ``max_new_tokens`` is
-smaller) after ``--delay`` seconds, with log-prob -0.5 per token.
+smaller) after ``--delay`` seconds (plus up to ``--delay-jitter``), with log-prob -0.5 per token.
+An aborted request returns half of its tokens with finish reason ``abort`` (as if interrupted
+midway), so partial rollouts can be exercised; ``/update_weights_from_disk`` only sets the
+reported ``weight_version``.
 
     python -m rollout_manager.instant_engine --port 30001 --model-path DIR [--delay 0.01]
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 
 import orjson
 from aiohttp import web
@@ -22,8 +26,10 @@ from aiohttp import web
 class InstantEngine:
     """The request handlers; ``paused`` requests wait, ``abort_all`` ends the waiting ones."""
 
-    def __init__(self, model_path: str, token_id: int, num_tokens: int, delay: float, weight_version: str):
+    def __init__(self, model_path: str, token_id: int, num_tokens: int, delay: float, weight_version: str,
+                 delay_jitter: float = 0.0):
         self.model_path, self.token_id, self.num_tokens, self.delay = model_path, token_id, num_tokens, delay
+        self.delay_jitter = delay_jitter
         self.weight_version = weight_version
         self.running = asyncio.Event()
         self.running.set()
@@ -43,17 +49,18 @@ class InstantEngine:
         aborted = asyncio.Event()
         self.inflight[rid] = aborted
         try:
-            if self.delay or not self.running.is_set():
+            delay = self.delay + (random.random() * self.delay_jitter if self.delay_jitter else 0.0)
+            if delay or not self.running.is_set():
                 await self.running.wait()
-                if self.delay:
+                if delay:
                     try:
-                        await asyncio.wait_for(aborted.wait(), self.delay)
+                        await asyncio.wait_for(aborted.wait(), delay)
                     except asyncio.TimeoutError:
                         pass
         finally:
             self.inflight.pop(rid, None)
-        if aborted.is_set():  # an aborted request reports what it generated so far: nothing here
-            n, finish = 0, {"type": "abort", "message": "aborted"}
+        if aborted.is_set():  # an aborted request reports what it generated so far: half here
+            n, finish = n // 2, {"type": "abort", "message": "aborted"}
         elif n < self.num_tokens:
             finish = {"type": "length", "length": n}
         else:
@@ -93,6 +100,12 @@ class InstantEngine:
         return self._json({"model_path": self.model_path, "tokenizer_path": self.model_path, "dp_size": 1,
                            "tp_size": 1, "weight_version": self.weight_version})
 
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return self._json({"success": True, "message": "weight version set (no weights here)"})
+
     async def weight_version_route(self, request: web.Request) -> web.Response:
         return self._json({"weight_version": self.weight_version})
 
@@ -107,6 +120,7 @@ def build_app(engine: InstantEngine) -> web.Application:
         web.get("/model_info", engine.model_info), web.get("/get_model_info", engine.model_info),
         web.get("/server_info", engine.server_info), web.get("/get_server_info", engine.server_info),
         web.get("/get_weight_version", engine.weight_version_route),
+        web.post("/update_weights_from_disk", engine.update_weights_from_disk),
     ])
     return app
 
@@ -119,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--token-id", type=int, default=10)
     ap.add_argument("--num-tokens", type=int, default=4)
     ap.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
+    ap.add_argument("--delay-jitter", type=float, default=0.0, help="extra random delay, uniform in [0, this)")
     ap.add_argument("--weight-version", default="0")
     a = ap.parse_args(argv)
     try:
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    engine = InstantEngine(a.model_path, a.token_id, a.num_tokens, a.delay, a.weight_version)
+    engine = InstantEngine(a.model_path, a.token_id, a.num_tokens, a.delay, a.weight_version, a.delay_jitter)
     web.run_app(build_app(engine), host=a.host, port=a.port, access_log=None, print=None, backlog=4096)
 
 

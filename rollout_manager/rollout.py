@@ -119,6 +119,11 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any, ev
                     kept.append(group)
                 else:
                     step.stats.dropped_groups += 1
+                    if target is not None and step.stats.dropped_groups > s.max_dropped_ratio * target:
+                        raise RuntimeError(
+                            f"rollout {rollout_id}: the dynamic sampling filter dropped {step.stats.dropped_groups} "
+                            f"groups and kept {len(kept)}/{target} (--dynamic-sampling-max-dropped-ratio "
+                            f"{s.max_dropped_ratio}); check the filter and the rewards")
                 if on_group is not None:
                     on_group(group, keep)
         if target is not None and len(kept) > target:  # several groups finished at once: keep the rest for later
@@ -127,6 +132,10 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any, ev
             kept = kept[:target]
         if pending:
             await _wind_down(ctx, step, pending, data_source)
+    except Exception:
+        if pending:  # a failing step still hands its unfinished prompts back before raising
+            await _wind_down(ctx, step, pending, data_source)
+        raise
     finally:
         ctx.active_steps.discard(id(step))
         for t in pending:

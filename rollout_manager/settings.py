@@ -38,6 +38,7 @@ class EngineFleetSettings:
     sglang_router_ip: str | None = None  # a running router: start none
     sglang_router_port: int | None = None
     sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as CLI tokens
+    engine_extra_args: str = ""  # extra flags for embedded/instant engines, e.g. "--max-running-requests 64"
     engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy
     health_check_interval: float = 2.0  # seconds between engine health checks
     restart_dead_engines: bool = True
@@ -60,6 +61,7 @@ class SamplingSettings:
     sglang_server_concurrency: int = 512  # in-flight requests per engine
     request_timeout: float = 600.0  # seconds for one /generate call
     max_request_retries: int = 5  # retries of one request after engine errors
+    max_dropped_ratio: float = 20.0  # a step fails after dropping this many x rollout_batch_size groups
     partial_rollout: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
     eval_prompt_data: str | None = None

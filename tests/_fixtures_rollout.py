@@ -1,0 +1,39 @@
+"""Helpers shared by the rollout manager's tests (tests/test_rollout_*.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+from typing import AsyncIterator
+
+from rollout_manager.arguments import add_arguments, settings_from_args, split_sglang_args
+from rollout_manager.manager import RolloutManager
+from rollout_manager.settings import RolloutSettings
+
+
+def make_args(argv: list[str]) -> tuple[argparse.Namespace, RolloutSettings]:
+    """Parse ``argv`` with the rollout manager's own flags, as the launcher and the CLI do."""
+    ours, sglang = split_sglang_args(argv)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(ours)
+    return args, settings_from_args(args, sglang)
+
+
+def toy_argv(model: Path, *extra: str) -> list[str]:
+    """The toy task with the chat template and the toy checker; ``extra`` adds or overrides flags."""
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(model / "data" / "train.jsonl"),
+            "--apply-chat-template", "--rm-type", "toy_arithmetic", *extra]
+
+
+@contextlib.asynccontextmanager
+async def running_manager(argv: list[str], log_dir: str | None = None) -> AsyncIterator[RolloutManager]:
+    """A started RolloutManager (router + engines), shut down afterwards whatever happens."""
+    args, settings = make_args(argv)
+    manager = RolloutManager(settings, args, log_dir=log_dir)
+    await manager.start()
+    try:
+        yield manager
+    finally:
+        await manager.shutdown()
