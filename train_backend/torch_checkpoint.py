@@ -50,7 +50,8 @@ def save(backend: "TorchBackend", path: str) -> None:
     """Save model, optimizer, scheduler, step counter and RNG state to directory ``path``."""
     os.makedirs(path, exist_ok=True)
     model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"),
+             no_dist=not backend.distributed)
     if backend.rank == 0:
         torch.save(backend.extra_state(), os.path.join(path, "trainer_state.pt"))
     torch.save(_rng_state(), os.path.join(path, f"rng_{backend.rank}.pt"))
@@ -64,7 +65,7 @@ def load(backend: "TorchBackend", path: str) -> None:
         raise RuntimeError(f"{path} is not a torch-backend checkpoint (no dcp/ or trainer_state.pt)")
     model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=not backend.distributed)
     set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     backend.load_extra_state(torch.load(state_file, weights_only=False))
