@@ -13,8 +13,6 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
-
 import ray
 
 from buffer.core import BufferCore
@@ -156,7 +154,3 @@ class BufferActor:
         async with self._cond:
             self._core.replace_with(*read_generation(directory))
             self._cond.notify_all()
-
-    async def _debug_state(self) -> dict[str, Any]:
-        """For tests: the group ids in the queue, the leases and the returned groups."""
-        return self._core.state_record()

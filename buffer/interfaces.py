@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # ray is imported lazily: `import buffer` must stay cheap for
 NAMESPACE = "reservoir"
 STALE_POLICIES = ("drop", "return")
 FILTER_PARAMS = ["args", "rollout_id", "buffer", "num_samples"]
+START_TIMEOUT_S = 300.0  # create_buffer waits this long for the actor to start (and recover)
 
 
 @dataclass
@@ -97,7 +98,8 @@ def create_buffer(name: str, settings: BufferSettings, plugin_args: argparse.Nam
         options["lifetime"] = "detached"
     options.update(actor_options or {})
     handle = BufferActor.options(**options).remote(settings, plugin_args)
-    ray.get(handle.ping.remote())  # surfaces __init__ errors (e.g. an unreadable --buffer-dir) here
+    # Surfaces __init__ errors (e.g. an unusable --buffer-dir) here, as ActorDiedError with the cause.
+    ray.get(handle.ping.remote(), timeout=START_TIMEOUT_S)
     return handle
 
 
