@@ -37,3 +37,9 @@ async def running_manager(argv: list[str], log_dir: str | None = None) -> AsyncI
         yield manager
     finally:
         await manager.shutdown()
+
+
+# --- plugins used by the tests (importable as _fixtures_rollout.<name>) -------------------------
+async def parity_rm(args, sample) -> float:
+    """Even groups get mixed rewards (1 for even sample indices), odd groups all zeros."""
+    return 1.0 if sample.group_index % 2 == 0 and sample.index % 2 == 0 else 0.0

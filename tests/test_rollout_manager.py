@@ -1,0 +1,139 @@
+"""The manager end to end through the real sglang-router, against instant engines (real processes,
+real HTTP, no model): grouping, token in/out, over-sampling + filter, partial rollout across a
+weight update, engine death mid-rollout (retry, no loss, no duplicates, restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from _fixtures_rollout import running_manager, toy_argv
+
+from buffer.sample import Status, check_group
+from rollout_manager.engine_client import EngineClient
+
+INSTANT = ["--rollout-engine", "instant", "--rollout-num-engines", "2", "--health-check-interval", "0.5"]
+
+
+def test_groups_token_in_token_out(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
+                        "--rollout-max-response-len", "16")
+        async with running_manager(argv) as m:
+            assert len(m.engine_urls) == 2
+            groups, metrics = await m.generate(0)
+            prompts = {r.prompt: r.input_ids for r in m.data_source.records}
+            return groups, metrics, prompts
+    groups, metrics, prompts = asyncio.run(go())
+    assert len(groups) == 8
+    for g in groups:
+        check_group(g, 4)
+        assert len({s.group_index for s in g}) == 1
+        for s in g:
+            assert s.tokens == prompts[s.prompt] + [10] * 4  # the prompt ids sent, the output ids appended
+            assert s.rollout_log_probs == [-0.5] * 4 and s.loss_mask == [1] * 4
+            assert s.weight_versions == [0] and s.status == Status.COMPLETED and s.reward == 0.0
+    assert len({s.index for g in groups for s in g}) == 32
+    assert metrics["rollout/num_samples"] == 32 and metrics["rollout/response_len_mean"] == 4
+    assert metrics["rollout/requests"] == 32 and metrics["rollout/retries"] == 0
+    assert metrics["rollout/truncated_frac"] == 0 and metrics["rollout/reward_mean"] == 0
+
+
+def test_over_sampling_with_dynamic_filter(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--n-samples-per-prompt", "2", "--rollout-batch-size", "4",
+                        "--over-sampling-batch-size", "8", "--custom-rm-path", "_fixtures_rollout.parity_rm",
+                        "--dynamic-sampling-filter-path", "plugins.filters.check_reward_nonzero_std")
+        async with running_manager(argv) as m:
+            groups, metrics = await m.generate(0)
+            return groups, metrics, m.data_source
+    groups, metrics, ds = asyncio.run(go())
+    assert len(groups) == 4
+    assert all(g[0].group_index % 2 == 0 for g in groups)  # odd groups have equal rewards: filtered
+    assert metrics["rollout/dropped_groups"] >= 3
+    assert metrics["rollout/reward_mean"] == 0.5
+    # every prompt started is accounted for: kept, dropped, or back in the data source
+    started = ds.next_group_index
+    assert started == len(groups) + metrics["rollout/dropped_groups"] + ds.num_returned
+
+
+def test_wind_down_returns_unfinished_groups_partial(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.02 --delay-jitter 1.5 --num-tokens 8",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", "--over-sampling-batch-size", "8",
+                        "--partial-rollout")
+        async with running_manager(argv) as m:
+            first, m1 = await m.generate(0)
+            returned = [[s.copy(tokens=list(s.tokens), weight_versions=list(s.weight_versions)) for s in g]
+                        for g in m.data_source._returned]  # snapshot: step 1 resumes these very samples
+            second, m2 = await m.generate(1)
+            return first, m1, returned, second, m.data_source
+    first, m1, returned, second, ds = asyncio.run(go())
+    assert len(first) == 2 and m1["rollout/returned_groups"] == len(returned) >= 1
+    assert m1["rollout/aborted_requests"] >= 1
+    partial = [s for g in returned for s in g if s.status == Status.PENDING and s.response_length > 0]
+    assert partial, "aborted samples keep the tokens generated so far"
+    for s in partial:
+        assert s.response_length == 4 and s.tokens[-4:] == [10] * 4 and s.weight_versions == [0]
+    assert len(second) == 2 and all(s.status in (Status.COMPLETED, Status.TRUNCATED) for g in second for s in g)
+    kept_ids = {g[0].group_index for g in first + second}
+    assert len(kept_ids) == 4  # no group kept twice
+
+
+def test_partial_rollout_across_weight_update(toy_model_dir):
+    async def go(mask: bool):
+        extra = ["--mask-offpolicy-in-partial-rollout"] if mask else []
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 1.0 --num-tokens 8",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "3", "--rollout-max-response-len", "8",
+                        "--partial-rollout", *extra)
+        async with running_manager(argv) as m:
+            task = asyncio.ensure_future(m.generate(0))
+            await asyncio.sleep(0.4)
+            await m.pause()
+            for url in m.engine_urls:
+                async with EngineClient(url, timeout=10) as c:
+                    await c.update_weights_from_disk("unused", weight_version="1")
+            await m.resume()
+            return await asyncio.wait_for(task, 30)
+    for mask in (False, True):
+        groups, metrics = asyncio.run(go(mask))
+        assert metrics["rollout/aborted_requests"] == 6
+        for s in (s for g in groups for s in g):
+            assert s.weight_versions == [0, 1] and s.response_length == 8 and len(s.rollout_log_probs) == 8
+            assert s.loss_mask == ([0] * 4 + [1] * 4 if mask else [1] * 8)
+
+
+def test_engine_killed_mid_rollout_no_loss_no_duplicates(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.6",
+                        "--n-samples-per-prompt", "4", "--rollout-batch-size", "16")
+        async with running_manager(argv) as m:
+            task = asyncio.ensure_future(m.generate(0))
+            await asyncio.sleep(0.3)  # 64 requests in flight, about half on engine 0
+            m.fleet.kill(0)
+            groups, metrics = await asyncio.wait_for(task, 60)
+            deadline = time.monotonic() + 30
+            while "engine 0 restarted" not in m.fleet.events and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            workers = await m.router.list_workers()
+            again, _ = await m.generate(1)
+            return groups, metrics, list(m.fleet.events), workers, again
+    groups, metrics, events, workers, again = asyncio.run(go())
+    samples = [s for g in groups for s in g]
+    assert len(samples) == 64 and len({s.index for s in samples}) == 64
+    assert all(s.status == Status.COMPLETED and s.response_length == 4 for s in samples)
+    assert metrics["rollout/retries"] >= 1 and metrics["rollout/failed_frac"] == 0
+    assert events[:2] == ["engine 0 removed", "engine 0 restarted"]
+    assert len(workers) == 2 and all(w["is_healthy"] for w in workers)
+    assert len(again) == 16
+
+
+def test_evaluate(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--eval-prompt-data", str(toy_model_dir / "data" / "eval.jsonl"),
+                        "--n-samples-per-eval-prompt", "2", "--rm-type", "exact_match")
+        async with running_manager(argv) as m:
+            return await m.evaluate(0)
+    metrics = asyncio.run(go())
+    assert metrics["eval/num_groups"] == 64 and metrics["eval/num_samples"] == 128
+    assert metrics["eval/accuracy"] == 0.0 and "eval/tokens_per_s" in metrics
