@@ -73,12 +73,28 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
         result: Any = ("ok", fn(*args))
     except BaseException:  # reported to the parent test, which fails with the traceback
         result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    tmp_file = os.path.join(out_dir, f".rank{rank}.pkl")
+    with open(tmp_file, "wb") as f:
         pickle.dump(result, f)
+    os.replace(tmp_file, os.path.join(out_dir, f"rank{rank}.pkl"))  # atomic: the parent polls
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _first_error(tmp: Path, world: int) -> str | None:
+    for r in range(world):
+        f = tmp / f"rank{r}.pkl"
+        if f.exists():
+            try:
+                with open(f, "rb") as fh:
+                    status, value = pickle.load(fh)
+            except (EOFError, pickle.UnpicklingError):  # still being written
+                continue
+            if status != "ok":
+                return value
+    return None
 
 
 def spawn(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 240.0) -> list[Any]:
@@ -94,12 +110,17 @@ def spawn(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 2
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):
+            if _first_error(tmp, world) is not None:
+                break  # the other ranks would wait for the failed one in a collective
             if time.monotonic() > deadline:
                 raise RuntimeError(f"spawned ranks did not finish within {timeout_s}s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+    error = _first_error(tmp, world)
+    if error is not None:
+        raise RuntimeError(f"a rank failed:\n{error}")
     results = []
     for r in range(world):
         with open(tmp / f"rank{r}.pkl", "rb") as f:
@@ -173,3 +194,61 @@ def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, 
             results[arch] = res
         parallel.destroy_parallel_state()
     return results
+
+
+# ------------------------------------------------------------------------- backend training
+def make_groups(seed: int, num_groups: int = 2, n: int = 4) -> list:
+    """Random but valid groups of Samples over the toy model's vocabulary (ids 7..59)."""
+    import random
+
+    from buffer.sample import Sample, Status
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(num_groups):
+        prompt = [rng.randrange(7, 60) for _ in range(rng.randrange(3, 8))]
+        group = []
+        for i in range(n):
+            r = rng.randrange(2, 9)
+            group.append(Sample(group_index=g, index=g * n + i, tokens=prompt + [rng.randrange(7, 60) for _ in range(r)],
+                                response_length=r, loss_mask=[1] * (r - 1) + [rng.randrange(2)],
+                                rollout_log_probs=[-rng.random() * 3 for _ in range(r)],
+                                reward=float(rng.random()), status=Status.COMPLETED, weight_versions=[0]))
+        out.append(group)
+    return out
+
+
+def train_settings(ckpt: str, **kw: Any) -> Any:
+    """The settings both backends are compared under: KL, entropy, TIS, two optimizer steps."""
+    from train_backend.interfaces import TrainSettings
+
+    base = dict(hf_checkpoint=ckpt, lr=1e-3, use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, use_tis=True,
+                global_batch_size=4, max_tokens_per_micro_batch=40, seed=3)
+    base.update(kw)
+    return TrainSettings(**base)
+
+
+def run_megatron(ckpt: str, megatron_kw: dict, steps: int, save_dir: str | None = None,
+                 export_dir: str | None = None, settings_kw: dict | None = None) -> dict[str, Any]:
+    """Train ``steps`` rollout batches with the Megatron backend on this rank; rank 0 returns
+    metrics, HF weights and log-probs. With ``save_dir``: save after step 0, then after the last
+    step reload and repeat steps 1.. to check the restart is exact (``replay_*``)."""
+    from train_backend.megatron import create_megatron_backend
+    from train_backend.megatron.arguments import MegatronSettings
+
+    backend = create_megatron_backend(train_settings(ckpt, **(settings_kw or {})), MegatronSettings(**megatron_kw))
+    metrics = []
+    for step in range(steps):
+        metrics.append(backend.train_step(make_groups(step) if torch.distributed.get_rank() == 0 else None, step))
+        if step == 0 and save_dir is not None:
+            backend.save(save_dir)
+    out: dict[str, Any] = {"metrics": metrics, "weights": {k: v.clone() for k, v in backend.named_hf_weights()},
+                           "logprobs": backend.compute_log_probs([s for g in make_groups(99) for s in g])}
+    if save_dir is not None:
+        backend.load(save_dir)
+        out["replay_metrics"] = [backend.train_step(make_groups(step) if torch.distributed.get_rank() == 0 else None,
+                                                    step) for step in range(1, steps)]
+        out["replay_weights"] = {k: v.clone() for k, v in backend.named_hf_weights()}
+    if export_dir is not None:
+        backend.export_hf(export_dir)
+    return out

@@ -124,6 +124,9 @@ class MegatronBackend:
         use_te = {"auto": None, "local": False, "transformer_engine": True}[self.mcfg.transformer_impl]
         if use_te and not mmodel.HAVE_TE:
             raise ValueError("--transformer-impl=transformer_engine but TransformerEngine is not installed")
+        if self.config.sequence_parallel and not (mmodel.HAVE_TE if use_te is None else use_te):
+            # megatron-core's local (torch) norms refuse sequence parallelism
+            raise ValueError("--sequence-parallel needs TransformerEngine layers (--transformer-impl)")
         model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te).to(self.device)
         checkpoint.load_hf_weights(model, reader, self.dims)
         if self.dtype == torch.bfloat16:

@@ -2,9 +2,9 @@
 
 ``save(path)`` writes, per (TP, PP) position, ``model_tp{t}_pp{p}.pt`` (the stage's megatron
 state dict) and ``optim_tp{t}_pp{p}.pt`` (optimizer state incl. fp32 master weights; under the
-distributed optimizer, its per-parameter state is gathered to data-parallel rank 0 with
-megatron's ``save_parameter_state``), ``rng_{rank}.pt`` per rank and ``trainer_state.pt``. A
-checkpoint loads onto the same parallel layout only (checked).
+distributed optimizer each rank writes its own shard, ``optim_tp{t}_pp{p}_dp{d}.pt``),
+``rng_{rank}.pt`` per rank and ``trainer_state.pt``. A checkpoint loads onto the same parallel
+layout only (checked).
 """
 
 from __future__ import annotations
@@ -55,10 +55,15 @@ def save(b: "MegatronBackend", path: str) -> None:
     pos = _position()
     if b.dp_rank == 0:
         torch.save(checkpoint.unwrap(b.model).state_dict(), os.path.join(path, f"model_{pos}.pt"))
-        torch.save(b.optimizer.state_dict(), os.path.join(path, f"optim_{pos}.pt"))
+        if not b.mcfg.use_distributed_optimizer:
+            torch.save(b.optimizer.state_dict(), os.path.join(path, f"optim_{pos}.pt"))
     if b.mcfg.use_distributed_optimizer:
-        for opt in _inner_optimizers(b.optimizer):  # collective over the DP group
-            opt.save_parameter_state(os.path.join(path, f"param_state_{pos}.pt"))
+        # Each rank holds a shard of the fp32 master weights and Adam moments: save it as is
+        # (megatron's gather-to-DP-rank-0 path does not carry torch Adam's per-param 'step').
+        shards = [{"inner": opt.optimizer.state_dict(),
+                   "main": [[p.detach().clone() for p in g["params"]] for g in opt.optimizer.param_groups]}
+                  for opt in _inner_optimizers(b.optimizer)]
+        torch.save(shards, os.path.join(path, f"optim_{pos}_dp{b.dp_rank}.pt"))
     torch.save(_rng_state(), os.path.join(path, f"rng_{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:
         torch.save({"optimizer_steps": b.optimizer_steps, "layout": _layout(b)},
@@ -66,6 +71,7 @@ def save(b: "MegatronBackend", path: str) -> None:
     _barrier()
 
 
+@torch.no_grad()
 def load(b: "MegatronBackend", path: str) -> None:
     """Restore what :func:`save` wrote; ``RuntimeError`` if it is not such a checkpoint or was
     written with another parallel layout."""
@@ -78,11 +84,17 @@ def load(b: "MegatronBackend", path: str) -> None:
     pos = _position()
     model_sd = torch.load(os.path.join(path, f"model_{pos}.pt"), map_location=b.device, weights_only=False)
     checkpoint.unwrap(b.model).load_state_dict(model_sd)
-    optim_sd = torch.load(os.path.join(path, f"optim_{pos}.pt"), map_location=b.device, weights_only=False)
-    b.optimizer.load_state_dict(optim_sd)
     if b.mcfg.use_distributed_optimizer:
-        for opt in _inner_optimizers(b.optimizer):
-            opt.load_parameter_state(os.path.join(path, f"param_state_{pos}.pt"))
+        shards = torch.load(os.path.join(path, f"optim_{pos}_dp{b.dp_rank}.pt"), map_location=b.device,
+                            weights_only=False)
+        for opt, shard in zip(_inner_optimizers(b.optimizer), shards, strict=True):
+            opt.optimizer.load_state_dict(shard["inner"])
+            for g, saved in zip(opt.optimizer.param_groups, shard["main"], strict=True):
+                for p, t in zip(g["params"], saved, strict=True):
+                    p.copy_(t)
+    else:
+        optim_sd = torch.load(os.path.join(path, f"optim_{pos}.pt"), map_location=b.device, weights_only=False)
+        b.optimizer.load_state_dict(optim_sd)
     b.optimizer_steps = int(state["optimizer_steps"])
     rng = torch.load(os.path.join(path, f"rng_{dist.get_rank()}.pt"), weights_only=False)
     torch.set_rng_state(rng["torch"])
