@@ -40,3 +40,13 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+def pop_best_reward(args, rollout_id, buffer, num_samples):
+    """A --buffer-filter-path plugin (slime's signature): the groups with the highest mean reward."""
+    best = sorted(buffer, key=lambda g: -sum(s.reward for s in g) / len(g))[:num_samples]
+    for g in best:
+        buffer.remove(g)
+    for g in best:  # show that the plugin saw the launcher's namespace and the rollout id
+        g[0].metadata["seen"] = [args.tag, rollout_id]
+    return best

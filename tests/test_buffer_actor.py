@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 
@@ -133,3 +134,39 @@ def test_save_restore_through_the_actor(ray_local, name, tmp_path):
     assert ids(ray.get(h.get.remote(3))) == [0, 1, 2]
     with pytest.raises(ValueError, match="not a buffer snapshot"):
         ray.get(h.restore.remote(str(tmp_path)))
+
+
+def test_filter_plugin_in_the_actor(ray_local, name):
+    ray = ray_local
+    h = create_buffer(name, BufferSettings(filter_path="_fixtures_buffer.pop_best_reward"),
+                      plugin_args=argparse.Namespace(tag="ns"))
+    ray.get(h.put.remote([make_group(i, reward=r) for i, r in enumerate([0.1, 0.9, 0.5, 0.7])]))
+    got = ray.get(h.get.remote(2, step=3))
+    assert ids(got) == [1, 3] and got[0][0].metadata["seen"] == ["ns", 3]
+    assert ids(ray.get(h.get.remote(2))) == [2, 0]
+
+
+def test_concurrent_producers_and_consumers(ray_local, name):
+    """Two producer processes and two concurrent consumers: every group exactly once."""
+    ray = ray_local
+    h = create_buffer(name, BufferSettings(capacity=6))
+
+    @ray.remote(num_cpus=0)
+    def producer(buffer_name: str, base: int) -> int:
+        from buffer import get_buffer as find
+
+        b = find(buffer_name)
+        for i in range(0, 20, 2):
+            ray.get(b.put.remote([make_group(base + i), make_group(base + i + 1)], timeout_s=60))
+        return 20
+
+    producers = [producer.remote(name, 0), producer.remote(name, 1000)]
+    gets = [h.get.remote(4, timeout_s=60) for _ in range(10)]  # 40 groups, all in flight at once
+    batches = [ids(batch) for batch in ray.get(gets, timeout=120)]
+    assert ray.get(producers) == [20, 20]
+    got = [g for batch in batches for g in batch]
+    assert sorted(got) == sorted(list(range(20)) + list(range(1000, 1020)))
+    for batch in batches:  # FIFO: within a batch, each producer's groups come in put order
+        for base in (0, 1000):
+            mine = [g for g in batch if base <= g < base + 20]
+            assert mine == sorted(mine)
