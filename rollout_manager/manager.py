@@ -163,12 +163,15 @@ class RolloutManager:
                     reset_sample(s)
             self.data_source.add_samples(returned)
         groups, metrics = await self.generate(rollout_id)
+        import ray
+
         put_id = f"rollout-{rollout_id}"  # the same id on a retry: the buffer stores it once
         for attempt in range(3):
             try:
                 await buffer_handle.put.remote(groups, put_id=put_id)
                 break
-            except Exception as e:  # Ray errors while the buffer restarts: retry the same put_id
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                # the buffer actor is restarting (it recovers from disk): retry the same put_id
                 if attempt == 2:
                     raise RuntimeError(f"buffer put of rollout {rollout_id} failed 3 times: {e}") from e
                 log.warning("buffer put of rollout %d failed (%s); retrying", rollout_id, e)

@@ -1,0 +1,123 @@
+"""Run the rollout manager alone: generate and score rollouts without a trainer.
+
+    python -m rollout_manager --hf-checkpoint DIR --prompt-data FILE --input-key prompt \\
+        --label-key label --apply-chat-template --rollout-num-engines 2 --n-samples-per-prompt 4 \\
+        --rollout-batch-size 8 --rollout-max-response-len 64 --output out.parquet
+
+It starts the engines and sglang-router (or uses ``--sglang-router-ip/--sglang-router-port`` or
+``--engine-urls``), streams the prompts, shows progress, writes the groups as Parquet (the
+Sample format, ``buffer.arrow``) or pushes them into a running buffer (``--buffer NAME``), and
+ends with a summary: rewards, pass rate, lengths, truncation, tokens/s, failures by reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+
+from rollout_manager.arguments import add_arguments, settings_from_args, split_sglang_args
+from rollout_manager.summary import format_summary, merge_metrics
+
+
+@dataclass
+class CliSettings:
+    """The standalone command's own settings (the launcher has its own loop and flags)."""
+
+    output: str | None = None  # Parquet file for the groups
+    buffer: str | None = None  # name of a running buffer actor
+    num_rollout: int = 1  # rollout steps
+    ray_address: str = "auto"  # the Ray cluster that runs --buffer
+    log_dir: str | None = None  # engine and router logs (default: a temp dir)
+    evaluate: bool = False  # also run one pass over --eval-prompt-data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rollout_manager", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c = CliSettings
+    g = p.add_argument_group("standalone run")
+    g.add_argument("--output", default=c.output, help="write the groups to this Parquet file")
+    g.add_argument("--buffer", default=c.buffer, help="push the groups into this running buffer actor instead")
+    g.add_argument("--num-rollout", type=int, default=c.num_rollout, help="rollout steps")
+    g.add_argument("--ray-address", default=c.ray_address, help="Ray cluster of the --buffer actor")
+    g.add_argument("--log-dir", default=c.log_dir, help="engine and router logs")
+    g.add_argument("--evaluate", action="store_true", default=c.evaluate, help="also evaluate --eval-prompt-data")
+    add_arguments(p)
+    return p
+
+
+def cli_settings(args: argparse.Namespace) -> CliSettings:
+    if (args.output is None) == (args.buffer is None):
+        raise ValueError("give exactly one of --output FILE and --buffer NAME")
+    if args.num_rollout < 1:
+        raise ValueError(f"--num-rollout must be >= 1, got {args.num_rollout}")
+    return CliSettings(output=args.output, buffer=args.buffer, num_rollout=args.num_rollout,
+                       ray_address=args.ray_address, log_dir=args.log_dir, evaluate=args.evaluate)
+
+
+async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, float]:
+    from tqdm import tqdm
+
+    from buffer.arrow import write_parquet
+    from rollout_manager.manager import RolloutManager
+
+    cli = cli_settings(args)
+    settings = settings_from_args(args, sglang_args)
+    manager = RolloutManager(settings, args, log_dir=cli.log_dir)
+    report = manager.data_report
+    print(f"prompts: {report.loaded} loaded, {len(report.skipped)} bad lines skipped {report.skipped_by_reason or ''}")
+    buffer_handle = None
+    if cli.buffer is not None:
+        import ray
+
+        from buffer.interfaces import NAMESPACE, get_buffer
+        ray.init(address=cli.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        buffer_handle = get_buffer(cli.buffer)
+    await manager.start()
+    print(f"engines: {manager.engine_urls} behind router {manager.router_url}")
+    all_groups, per_step = [], []
+    try:
+        total = cli.num_rollout * settings.sampling.rollout_batch_size
+        with tqdm(total=total, unit="group", desc="rollout") as bar:
+            def on_group(group, kept):
+                if kept:
+                    bar.update(1)
+                bar.set_postfix(reward=f"{sum(s.reward or 0 for s in group) / len(group):.3f}", refresh=False)
+            for rollout_id in range(cli.num_rollout):
+                if buffer_handle is not None:
+                    per_step.append(await manager.push(rollout_id, buffer_handle))
+                else:
+                    groups, metrics = await manager.generate(rollout_id, on_group=on_group)
+                    all_groups += groups
+                    per_step.append(metrics)
+                bar.n = min(total, (rollout_id + 1) * settings.sampling.rollout_batch_size)
+                bar.refresh()
+        metrics = merge_metrics(per_step)
+        if cli.evaluate:
+            metrics.update(await manager.evaluate(cli.num_rollout))
+    finally:
+        await manager.shutdown()
+    if cli.output is not None:
+        size = write_parquet(all_groups, cli.output)
+        print(f"wrote {len(all_groups)} groups ({sum(map(len, all_groups))} samples, {size} bytes) to {cli.output}")
+    print(format_summary(metrics))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ours, sglang_args = split_sglang_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(ours)
+    try:
+        return asyncio.run(run(args, sglang_args))
+    except ValueError as e:  # configuration errors: one line naming the flag, no traceback
+        parser.error(str(e))
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The manager as a Ray actor feeding a real buffer actor (async mode), with put_id de-duplication."""
+
+from __future__ import annotations
+
+from _fixtures_buffer import ray_local  # noqa: F401  (a module-scoped local Ray cluster)
+from _fixtures_rollout import make_args, toy_argv
+
+from buffer.interfaces import BufferSettings, create_buffer
+from buffer.sample import check_group
+from rollout_manager.actor import create_rollout_manager_actor
+
+
+def test_actor_produces_into_buffer(ray_local, toy_model_dir):  # noqa: F811
+    ray = ray_local
+    buf = create_buffer("rollout-actor-test", BufferSettings(n_samples_per_prompt=2, capacity=100),
+                        namespace="reservoir-tests")
+    args, settings = make_args(toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "2",
+                                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "4"))
+    handle = create_rollout_manager_actor(settings, args)
+    try:
+        assert len(ray.get(handle.start.remote(), timeout=120)) == 2
+        metrics = ray.get(handle.run_async.remote(0, 3, buf), timeout=120)
+        assert len(metrics) == 3 and all(m["rollout/num_groups"] == 4 for m in metrics)
+        assert ray.get(buf.size.remote()) == 12
+        ray.get(handle.push.remote(2, buf), timeout=60)  # a retried rollout id is stored once
+        assert ray.get(buf.size.remote()) == 12
+        groups = ray.get(buf.get.remote(12, timeout_s=10))
+        for g in groups:
+            check_group(g, 2)
+        assert len({g[0].group_index for g in groups}) == 12
+        state = ray.get(handle.state_dict.remote())
+        assert state["data_source"]["next_group_index"] == 16
+        ray.get(handle.pause.remote())
+        ray.get(handle.resume.remote())
+        groups, m = ray.get(handle.generate.remote(4), timeout=60)
+        assert len(groups) == 4
+    finally:
+        ray.get(handle.shutdown.remote(), timeout=60)
+        ray.kill(handle)
+        ray.kill(buf)
