@@ -12,8 +12,9 @@ is written before the change it describes is applied. A crash mid-write leaves a
 at the end of a segment it is an unacknowledged put and is ignored (a restarted store never
 appends to an old segment), at the end of the log it is truncated away.
 
-Space: a closed segment whose groups are all final is deleted; when the log grows large it is
-replaced by one ``state`` record; when live data is a small fraction of what is on disk, the
+Space: a closed segment whose groups are all final is deleted, right after the log was replaced
+by one ``state`` record (which carries the recent put ids, so a retried put stays idempotent
+after its bytes are gone); the log is also replaced so when it grows large; when live data is a small fraction of what is on disk, the
 live groups are rewritten into a new generation and ``CURRENT`` switches to it (the same
 path as ``restore``). Any write error stops the store (``RuntimeError`` afterwards): restart the
 actor to recover from what is on disk.
@@ -170,6 +171,7 @@ class SegmentStore:
         self._gen = int(current.read_text().strip()) if current.exists() else 0
         self._seg_live: dict[int, int] = {}  # segment -> live groups
         self._seg_bytes: dict[int, int] = {}
+        self._dead: set[int] = set()  # closed segments with no live group, deleted at the next compaction
         self._live_bytes = 0
         self._log_bytes = 0
         self._active = 0
@@ -191,21 +193,20 @@ class SegmentStore:
         self.directory.mkdir(exist_ok=True)
         return read_generation(self.directory, truncate_torn=True)
 
-    def open(self, live: list[Entry]) -> None:
-        """Start appending (after the core replayed ``load``'s output); delete dead segments."""
+    def open(self, core: "BufferCore") -> None:
+        """Start appending (after ``core`` replayed ``load``'s output); reclaim dead segments."""
         self._seg_live, self._live_bytes = {}, 0
-        for e in live:
+        for e in core.live_entries():
             self._seg_live[e.segment] = self._seg_live.get(e.segment, 0) + 1
             self._live_bytes += e.nbytes
         segments = [int(p.name[4:10]) for p in self.directory.glob("seg-*.arrows")]
         self._seg_bytes = {n: (self.directory / _seg_name(n)).stat().st_size for n in segments}
-        for n in segments:
-            if not self._seg_live.get(n):
-                self._delete_segment(n)
+        self._dead = {n for n in segments if not self._seg_live.get(n)}
         self._active = max(segments, default=-1) + 1  # never append after a possibly torn tail
         log_path = self.directory / LOG_NAME
         self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._log_bytes = os.fstat(self._log_fd).st_size
+        self.maybe_compact(core)
 
     # --- the Journal protocol ----------------------------------------------------------------
     def append(self, entries: list[Entry], put_id: str | None) -> None:
@@ -249,7 +250,7 @@ class SegmentStore:
             self._live_bytes -= e.nbytes
             left = self._seg_live[e.segment] = self._seg_live.get(e.segment, 0) - 1
             if left <= 0 and e.segment != self._active:
-                self._delete_segment(e.segment)
+                self._dead.add(e.segment)
 
     def bytes_on_disk(self) -> int:
         return sum(self._seg_bytes.values()) + self._log_bytes
@@ -258,8 +259,11 @@ class SegmentStore:
         on_disk = self.bytes_on_disk()
         if on_disk > self.compact_min_bytes and on_disk > self.compact_factor * max(self._live_bytes, 1):
             self.rewrite(core)
-        elif self._log_bytes > self.log_compact_bytes:
-            self._compact_log(core)
+        elif self._dead or self._log_bytes > self.log_compact_bytes:
+            self._compact_log(core)  # first: the state record keeps the dead segments' put ids
+            for n in sorted(self._dead):
+                self._delete_segment(n)
+            self._dead.clear()
 
     def rewrite(self, core: "BufferCore") -> None:
         """Write ``core``'s live state into a new generation and switch ``CURRENT`` to it."""
@@ -286,7 +290,7 @@ class SegmentStore:
         shutil.rmtree(old)
         for e, segment, nbytes in placed:
             e.segment, e.nbytes = segment, nbytes
-        self.open([e for e, _, _ in placed])
+        self.open(core)
 
     def close(self) -> None:
         self._close_segment()
@@ -325,7 +329,7 @@ class SegmentStore:
         self._seg_bytes[done] = (self.directory / _seg_name(done)).stat().st_size
         self._active += 1
         if not self._seg_live.get(done):
-            self._delete_segment(done)
+            self._dead.add(done)
 
     def _delete_segment(self, n: int) -> None:
         (self.directory / _seg_name(n)).unlink(missing_ok=True)

@@ -100,6 +100,17 @@ def test_consumed_segments_are_deleted_and_bytes_tracked(tmp_path):
     assert ids(c2.try_get(1)) == [5]
 
 
+def test_put_ids_survive_the_deletion_of_their_segment(tmp_path):
+    kw = {"segment_bytes": 1}
+    c, store = open_core(tmp_path, store_kw=kw)
+    c.put([make_group(0), make_group(1)], put_id="a")
+    c.put([make_group(2)], put_id="b")
+    c.try_get(3)
+    assert not list(store.directory.glob("seg-*"))  # all consumed: the bytes are gone
+    c2, _ = open_core(tmp_path, store_kw=kw)
+    assert c2.duplicate("a") == 2 and c2.duplicate("b") == 1  # a late retry is still recognised
+
+
 def test_log_compaction_keeps_state(tmp_path):
     kw = {"log_compact_bytes": 300}
     c, store = open_core(tmp_path, store_kw=kw)
