@@ -27,9 +27,10 @@ class InstantEngine:
     """The request handlers; ``paused`` requests wait, ``abort_all`` ends the waiting ones."""
 
     def __init__(self, model_path: str, token_id: int, num_tokens: int, delay: float, weight_version: str,
-                 delay_jitter: float = 0.0):
+                 delay_jitter: float = 0.0, output_ids: list[int] | None = None):
         self.model_path, self.token_id, self.num_tokens, self.delay = model_path, token_id, num_tokens, delay
         self.delay_jitter = delay_jitter
+        self.output_ids = output_ids  # a fixed answer instead of num_tokens copies of token_id
         self.weight_version = weight_version
         self.running = asyncio.Event()
         self.running.set()
@@ -43,7 +44,8 @@ class InstantEngine:
     async def generate(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
         sp = body.get("sampling_params") or {}
-        n = min(self.num_tokens, sp.get("max_new_tokens", self.num_tokens))
+        full = len(self.output_ids) if self.output_ids is not None else self.num_tokens
+        n = min(full, sp.get("max_new_tokens", full))
         rid = body.get("rid") or f"r{self.count}"
         self.count += 1
         aborted = asyncio.Event()
@@ -61,14 +63,15 @@ class InstantEngine:
             self.inflight.pop(rid, None)
         if aborted.is_set():  # an aborted request reports what it generated so far: half here
             n, finish = n // 2, {"type": "abort", "message": "aborted"}
-        elif n < self.num_tokens:
+        elif n < full:
             finish = {"type": "length", "length": n}
         else:
             finish = {"type": "stop", "matched": self.token_id}
-        ids = [self.token_id] * n
+        ids = list(self.output_ids[:n]) if self.output_ids is not None else [self.token_id] * n
+        n = len(ids)
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body.get("input_ids") or []),
                 "completion_tokens": n, "weight_version": self.weight_version,
-                "output_token_logprobs": [[-0.5, self.token_id, None]] * n if body.get("return_logprob") else []}
+                "output_token_logprobs": [[-0.5, t, None] for t in ids] if body.get("return_logprob") else []}
         return self._json({"text": "", "output_ids": ids, "meta_info": meta})
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-tokens", type=int, default=4)
     ap.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     ap.add_argument("--delay-jitter", type=float, default=0.0, help="extra random delay, uniform in [0, this)")
+    ap.add_argument("--output-ids", default=None, help="comma-separated ids to answer instead (overrides "
+                    "--token-id/--num-tokens)")
     ap.add_argument("--weight-version", default="0")
     a = ap.parse_args(argv)
     try:
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    engine = InstantEngine(a.model_path, a.token_id, a.num_tokens, a.delay, a.weight_version, a.delay_jitter)
+    engine = InstantEngine(a.model_path, a.token_id, a.num_tokens, a.delay, a.weight_version, a.delay_jitter,
+                           [int(x) for x in a.output_ids.split(",")] if a.output_ids else None)
     web.run_app(build_app(engine), host=a.host, port=a.port, access_log=None, print=None, backlog=4096)
 
 
