@@ -24,3 +24,39 @@ def ws_toy_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ws_toy") / "model"
     _make_toy_model_main()(["--out", str(out), "--num-train", "10", "--num-eval", "4"])
     return out
+
+
+def start_engines(model: Path, n: int, ports: list[int] | None = None) -> list[tuple]:
+    """Start ``n`` embedded engines on ``model`` in parallel; [(Popen, url)]. The caller stops them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout_manager.engine.launch import launch_engine_process
+    from rollout_manager.engine.settings import EngineSettings
+
+    ports = ports or [0] * n
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(lambda p: launch_engine_process(
+            EngineSettings(model_path=str(model), port=p, num_threads=1, max_running_requests=8), timeout_s=120),
+            ports))
+
+
+def stop_engines(engines: list[tuple]) -> None:
+    import signal
+
+    for proc, _ in engines:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a test may have stopped it
+            proc.kill()
+        proc.wait(30)
+
+
+def perturbed_model(model: Path, scale: float):
+    """The toy model with every weight multiplied by ``scale`` (a stand-in for a trained version)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(scale)
+    return m.eval()

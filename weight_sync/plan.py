@@ -78,26 +78,34 @@ def check_tensors(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return specs
 
 
-def check_against_engine(specs: list[TensorSpec], engine: dict[str, TensorSpec], engine_url: str) -> None:
+def check_against_engine(specs: list[TensorSpec], engine: dict[str, TensorSpec | None], engine_url: str,
+                         tied: dict[str, str] | None = None, complete: bool = True) -> None:
     """ValueError naming the first tensor that ``engine`` (its reported parameters) cannot take.
 
-    Every pushed name must exist on the engine with the same shape and dtype, and every engine
-    parameter must be pushed: a parameter left out would keep the old version's values, and the
-    engine would then serve a mix of two versions.
+    ``engine`` maps each engine parameter name to its spec (None: only the name is known).
+    Every pushed name must exist on the engine with the same shape and dtype. With ``complete``
+    (the engine listed all its parameters), every engine parameter must also be pushed: one left
+    out would keep the old version's values, and the engine would then serve a mix of two
+    versions. ``tied`` maps a name to the parameter it shares storage with (tied embeddings):
+    pushing either one updates both.
     """
+    tied = tied or {}
     pushed = set()
     for s in specs:
-        want = engine.get(s.name)
-        if want is None:
+        if s.name not in engine:
             raise ValueError(f"weight {s.name!r}: engine {engine_url} has no parameter of that name")
-        if tuple(want.shape) != tuple(s.shape):
+        want = engine[s.name]
+        if want is not None and tuple(want.shape) != tuple(s.shape):
             raise ValueError(f"weight {s.name!r}: trainer shape {list(s.shape)} != engine {engine_url} "
                              f"shape {list(want.shape)}")
-        if want.dtype != s.dtype:
+        if want is not None and want.dtype != s.dtype:
             raise ValueError(f"weight {s.name!r}: trainer dtype {s.dtype} != engine {engine_url} "
                              f"dtype {want.dtype}")
         pushed.add(s.name)
-    missing = [n for n in engine if n not in pushed]
+    if not complete:
+        return
+    missing = [n for n in engine if n not in pushed and tied.get(n) not in pushed
+               and not any(t == n and a in pushed for a, t in tied.items())]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"weight {missing[0]!r}{more}: engine {engine_url} has it but the push does not "

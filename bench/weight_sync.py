@@ -1,0 +1,274 @@
+"""Benchmark: wall time of a weight push (pause -> continue) against a bare broadcast of the same bytes.
+
+    python bench/weight_sync.py --device cpu     # gloo, 64 MiB and 256 MiB weight sets (2-core box)
+    python bench/weight_sync.py --device cuda    # nccl, trainer on cuda:0, engine on cuda:1;
+                                                 # 0.5B / 1.5B / 7B llama-family shapes, bf16
+
+For each weight set: write a random-weight HF checkpoint, start one embedded engine
+(``python -m rollout_manager.engine``) on it, connect a ``WeightSender`` and time ``--repeats``
+pushes after a warm-up (the last one with ``check_equal``, so the numbers are for pushes that
+really land). Then the ceiling: a bare broadcast of the same bytes from the trainer process to a
+plain receiver process on the engine's device, both in the bucket sizes of the push and as one
+tensor; the ceiling is the faster of the two. ``ratio`` = push GiB/s / ceiling GiB/s (medians),
+the worst over the sets the issue targets (1.5B and 7B on GPU; every set on CPU).
+Ray-free and SGLang-free: it needs torch, transformers and the repository only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+GiB = 1024 ** 3
+# llama-family shapes (sizes of Qwen2.5-0.5B/1.5B/7B, untied), and small sets for CPU.
+SETS = {
+    "64MiB": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=16000),
+    "256MiB": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
+                   num_key_value_heads=8, vocab_size=16000),
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
+}
+TARGETED = {"cpu": ["64MiB", "256MiB"], "cuda": ["1.5B", "7B"]}
+
+
+def make_weights(name: str, device: str, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Random bf16 weights with the HF names and shapes of the llama model ``SETS[name]``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SETS[name], max_position_embeddings=4096, tie_word_embeddings=False)
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in LlamaForCausalLM(cfg).named_parameters()]
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [(n, (torch.randn(s, generator=g, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16))
+            for n, s in shapes]
+
+
+def write_checkpoint(name: str, named, out: Path) -> Path:
+    """An HF checkpoint of ``named`` (config, the toy char tokenizer, safetensors), via weight_sync.disk."""
+    from transformers import LlamaConfig
+
+    from weight_sync.disk import write_hf_checkpoint
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_toy_model import build_tokenizer
+
+    tmpl = out / f"{name}_template"
+    tmpl.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**SETS[name], max_position_embeddings=4096, tie_word_embeddings=False,
+                torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(tmpl)
+    build_tokenizer(tmpl)
+    return write_hf_checkpoint(named, out / name, version=0, hf_checkpoint=tmpl)
+
+
+def start_engine(model: Path, device: str, port: int, timeout: float = 600.0) -> subprocess.Popen:
+    """``python -m rollout_manager.engine`` on ``model``; waits for /health."""
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "rollout_manager.engine", "--model-path", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--device", device, "--dtype", "bfloat16", "--max-running-requests", "4"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"engine did not answer /health within {timeout}s")
+
+
+def bench_push(named, model: Path, args, port: int) -> dict:
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    proc = start_engine(model, args.engine_device, port)
+    try:
+        s = WeightSyncSettings(backend="nccl" if args.device == "cuda" else "gloo", bucket_bytes=args.bucket_bytes,
+                               load_format=args.load_format, timeout_s=300.0)
+        with WeightSender(s) as sender:
+            sender.connect([f"http://127.0.0.1:{port}"])
+            sender.push(named, version=1)  # warm-up: communicator set-up, allocator, page faults
+            runs = [sender.push(named, version=2 + i) for i in range(args.repeats)]
+            sender.settings.check_equal = True  # the pushes above really land: check one of them
+            checked = sender.push(named, version=2 + args.repeats)
+        times = [r["weight_sync/time_s"] for r in runs]
+        return {"push_s": statistics.median(times), "push_s_all": times,
+                "transfer_s": statistics.median(r["weight_sync/transfer_s"] for r in runs),
+                "pause_s": statistics.median(r["weight_sync/pause_s"] for r in runs),
+                "continue_s": statistics.median(r["weight_sync/continue_s"] for r in runs),
+                "num_buckets": runs[0]["weight_sync/num_buckets"], "checked_equal_s": checked["weight_sync/check_s"]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench_bare(bucket_numels: list[int], args, port: int) -> dict:
+    """Rank 0 here, rank 1 a plain receiver process on the engine device: bucketed and one-shot."""
+    from weight_sync._loop import free_port
+    from weight_sync.process_group import init_weight_update_group
+
+    plan = {"buckets": bucket_numels, "repeats": args.repeats + 1}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(plan, f)
+    port = free_port()
+    recv = subprocess.Popen([sys.executable, __file__, "--bare-receiver", f.name, "--port", str(port),
+                             "--engine-device", args.engine_device, "--device", args.device], cwd=ROOT)
+    try:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        dev = torch.device(args.trainer_device)
+        grp = init_weight_update_group(backend, "127.0.0.1", port, 0, 2, "bare", 300.0,
+                                       dev if backend == "nccl" else None)
+        out = {}
+        for mode, sizes in (("bucketed", bucket_numels), ("single", [sum(bucket_numels)])):
+            bufs = [torch.ones(n, dtype=torch.bfloat16, device=dev) for n in sizes]  # [n]
+            times = []
+            for _ in range(plan["repeats"]):
+                _sync(dev)
+                t = time.perf_counter()
+                for b in bufs:
+                    grp.broadcast(b)
+                _sync(dev)
+                times.append(time.perf_counter() - t)
+            out[mode] = statistics.median(times[1:])  # the first is a warm-up
+            del bufs
+        grp.destroy()
+        if recv.wait(120) != 0:
+            raise RuntimeError(f"bare receiver exited with {recv.returncode}")
+        return out
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+        os.unlink(f.name)
+
+
+def bare_receiver(plan_file: str, port: int, device: str, backend: str) -> None:
+    from weight_sync.process_group import init_weight_update_group
+
+    plan = json.loads(Path(plan_file).read_text())
+    dev = torch.device(device)
+    grp = init_weight_update_group(backend, "127.0.0.1", port, 1, 2, "bare", 300.0, dev if backend == "nccl" else None)
+    for sizes in (plan["buckets"], [sum(plan["buckets"])]):
+        bufs = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes]  # [n]
+        for _ in range(plan["repeats"]):
+            for b in bufs:
+                grp.broadcast(b)
+        _sync(dev)
+        del bufs
+    grp.destroy()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--sets", nargs="+", default=None, help=f"weight sets of {list(SETS)} (default: per device)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="default: WeightSyncSettings.bucket_bytes")
+    ap.add_argument("--load-format", default="flattened_bucket", choices=["flattened_bucket", "tensor"])
+    ap.add_argument("--trainer-device", default=None, help="default: cpu, or cuda:0")
+    ap.add_argument("--engine-device", default=None, help="default: cpu, or cuda:1")
+    ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync.json"))
+    ap.add_argument("--bare-receiver", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.trainer_device = args.trainer_device or ("cuda:0" if cuda else "cpu")
+    args.engine_device = args.engine_device or ("cuda:1" if cuda else "cpu")
+    if args.bare_receiver:
+        bare_receiver(args.bare_receiver, args.port, args.engine_device, "nccl" if cuda else "gloo")
+        return {}
+    from weight_sync._loop import free_port
+    from weight_sync.interfaces import TensorSpec, WeightSyncSettings
+    from weight_sync.plan import plan_buckets
+
+    if args.bucket_bytes is None:
+        args.bucket_bytes = WeightSyncSettings.bucket_bytes
+    sets = args.sets or (["0.5B", "1.5B", "7B"] if cuda else ["64MiB", "256MiB"])
+    if cuda:
+        torch.cuda.set_device(torch.device(args.trainer_device))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ws_"))
+    metrics, rows = {}, []
+    for name in sets:
+        t = time.perf_counter()
+        named = make_weights(name, args.trainer_device)
+        model = write_checkpoint(name, named, work)
+        print(f"[{name}] checkpoint written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+        nbytes = sum(x.numel() * x.element_size() for _, x in named)
+        buckets = plan_buckets([TensorSpec.of(n, x) for n, x in named], args.bucket_bytes)
+        push = bench_push(named, model, args, free_port())
+        bare = bench_bare([b.nbytes // 2 for b in buckets], args, free_port())
+        ceiling = min(bare["bucketed"], bare["single"])
+        m = {"bytes": nbytes, "num_buckets": len(buckets), "push_s": push["push_s"],
+             "push_gib_s": nbytes / GiB / push["push_s"], "transfer_s": push["transfer_s"],
+             "pause_s": push["pause_s"], "continue_s": push["continue_s"],
+             "bare_bucketed_s": bare["bucketed"], "bare_single_s": bare["single"],
+             "ceiling_gib_s": nbytes / GiB / ceiling, "ratio": ceiling / push["push_s"],
+             "push_s_all": push["push_s_all"], "checked_equal": True}
+        metrics[name] = m
+        rows.append((name, nbytes / GiB, len(buckets), push["push_s"] * 1e3, m["push_gib_s"],
+                     bare["bucketed"] * 1e3, bare["single"] * 1e3, m["ceiling_gib_s"], m["ratio"]))
+        shutil_rmtree(work / name)
+        del named
+    print(f"\n{'set':>8} {'GiB':>7} {'bkts':>5} {'push ms':>9} {'push GiB/s':>11} {'bare bkt ms':>12} "
+          f"{'bare 1 ms':>10} {'ceil GiB/s':>11} {'ratio':>6}")
+    for r in rows:
+        print(f"{r[0]:>8} {r[1]:7.3f} {r[2]:5d} {r[3]:9.1f} {r[4]:11.2f} {r[5]:12.1f} {r[6]:10.1f} {r[7]:11.2f} "
+              f"{r[8]:6.3f}")
+    targeted = [metrics[s]["ratio"] for s in TARGETED[args.device] if s in metrics]
+    result = {"name": "weight_sync", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": _machine(args), "command": "python bench/weight_sync.py " + " ".join(argv or sys.argv[1:]),
+              "metrics": {"device": args.device, "backend": "nccl" if cuda else "gloo",
+                          "bucket_bytes": args.bucket_bytes, "load_format": args.load_format,
+                          "repeats": args.repeats, "sets": metrics},
+              "ratio": min(targeted) if targeted else None, "target": 0.85}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"ratio {result['ratio']} (target {result['target']}); wrote {args.out}")
+    return result
+
+
+def shutil_rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=False)
+
+
+def _machine(args) -> str:
+    if args.device == "cuda":
+        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+        return f"{torch.cuda.device_count()}x {'/'.join(sorted(names))}, torch {torch.__version__}"
+    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""The trainer side of weight sync: ``WeightSender`` pushes one version of the weights to engines.
+
+A push of version v (transport ``distributed``):
+1. validate every tensor's name, shape and dtype against what each engine reported at connect
+   (an error names the tensor; nothing has been sent yet);
+2. ``/pause_generation`` on every engine;
+3. per bucket: POST ``/update_weights_from_distributed`` (names, dtypes, shapes) to every engine
+   and, while those requests are in flight, broadcast the bucket from rank 0 (the engines receive
+   inside their handlers); the next bucket is packed while the current one travels;
+4. optionally compare per-tensor checksums (``check_equal``);
+5. ``/continue_generation``; record v (buffer actor or callback).
+Only the last bucket carries ``weight_version`` (and ``flush_cache``), so an engine reports v only
+once all of v is in place. If an engine dies or stalls, the push fails within ``timeout_s``; the
+engines still alive stay paused (their weights may be half-updated), the group is rebuilt
+without the dead ones and the whole push is redone, so they end at v together. A dead engine is
+brought back with ``resync``. Re-pushing a version is safe (it overwrites the same values).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rollout_manager.engine_client import EngineClient, EngineError
+from weight_sync import disk
+from weight_sync._loop import LoopThread
+from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
+from weight_sync.link import Link, PushFailed, close_link, open_link, send_bucket
+from weight_sync.plan import check_against_engine, check_tensors, plan_buckets
+
+logger = logging.getLogger(__name__)
+GiB = 1024 ** 3
+
+
+@dataclass
+class EngineState:
+    """What the sender knows about one engine."""
+
+    url: str
+    gpus: int
+    client: EngineClient
+    params: dict[str, TensorSpec | None] | None = None  # reported at connect; None: cannot list them
+    tied: dict[str, str] = field(default_factory=dict)  # name -> the name whose storage it shares
+    complete: bool = False  # params lists every parameter with its spec (so all must be pushed)
+    alive: bool = True
+    version: int | None = None  # last version this engine fully received
+    errors: list[str] = field(default_factory=list)
+
+
+class WeightSender:
+    """Pushes weights from trainer rank 0 to SGLang-compatible engines. Synchronous API.
+
+    ``version_sink``: where each pushed version is recorded (a callable ``f(v)`` or the buffer
+    actor, via ``set_weight_version.remote(v)``), so the buffer measures staleness. It runs its own
+    event loop in a daemon thread; call it from plain trainer code.
+    """
+
+    def __init__(self, settings: WeightSyncSettings, version_sink: VersionSink | None = None):
+        settings.validate()
+        self.settings = settings
+        self.version_sink = version_sink
+        self.engines: list[EngineState] = []
+        self.version: int | None = None
+        self._link: Link | None = None
+        self._generation = 0
+        self._loop = LoopThread()
+        self._closed = False
+
+    # --- public API --------------------------------------------------------------------------
+    def connect(self, engine_urls: list[str], engine_gpus: list[int] | None = None) -> None:
+        """Register the engines and (distributed transport) join them in the weight-update group.
+
+        ``engine_gpus[i]``: GPUs (TP ranks) of engine i (default 1 each); engine i takes ranks
+        from ``1 + sum(engine_gpus[:i])``. Also fetches each engine's parameter list for validation.
+        """
+        if self.engines:
+            raise RuntimeError("connect: already connected (call close() first)")
+        if not engine_urls:
+            raise ValueError("engine_urls: at least one engine is needed")
+        gpus = list(engine_gpus) if engine_gpus is not None else [1] * len(engine_urls)
+        if len(gpus) != len(engine_urls) or any(g < 1 for g in gpus):
+            raise ValueError(f"engine_gpus {engine_gpus}: need one count >= 1 per engine url")
+        if len(set(engine_urls)) != len(engine_urls):
+            raise ValueError(f"engine_urls {engine_urls}: duplicate url")
+        self._loop.run(self._connect(engine_urls, gpus), timeout=self._outer_timeout())
+
+    def push(self, named_tensors: NamedTensors, version: int,
+             progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+        """Push one version of the weights to every live engine; return metrics.
+
+        ``named_tensors``: ``(hf_name, full tensor)`` pairs (e.g. ``backend.named_hf_weights()``);
+        consumed once and kept as references for the push (validation needs them all before
+        anything is sent). ``progress(done, total)`` is called after each bucket.
+        """
+        if not self.engines:
+            raise RuntimeError("push: not connected (call connect() first)")
+        if self.version is not None and version < self.version:
+            raise ValueError(f"version {version}: older than the last pushed version {self.version}")
+        named = list(named_tensors)
+        specs = check_tensors(named)
+        for e in self.engines:
+            if e.alive and e.params is not None:
+                check_against_engine(specs, e.params, e.url, e.tied, e.complete)
+        buckets = plan_buckets(specs, self.settings.bucket_bytes)
+        metrics = self._loop.run(self._push(named, specs, buckets, version, progress),
+                                 timeout=self._outer_timeout(len(buckets)))
+        self.version = version
+        self._record_version(version)
+        return metrics
+
+    def resync(self, engine_url: str, named_tensors: NamedTensors | None = None,
+               version: int | None = None) -> dict[str, float]:
+        """Bring back an engine that died (or missed pushes) once it is reachable again.
+
+        With ``named_tensors``: push them to that engine alone at ``version`` (default: the last
+        pushed version) right away; the main group is rebuilt to include it at the next push.
+        Without: it rejoins at the next push (until then it serves the weights it has).
+        """
+        e = self._engine(engine_url)
+        if named_tensors is not None and version is None and self.version is None:
+            raise ValueError("version: nothing was pushed yet; give the version of named_tensors")
+        return self._loop.run(self._resync(e, named_tensors, version if version is not None else self.version),
+                              timeout=self._outer_timeout())
+
+    def engine_status(self) -> dict[str, dict]:
+        """Per engine url: ``alive``, the last ``version`` it fully received, recent ``errors``."""
+        return {e.url: {"alive": e.alive, "version": e.version, "errors": list(e.errors[-3:])} for e in self.engines}
+
+    def close(self) -> None:
+        """Leave the weight-update group on every engine and free the loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._close(), timeout=self.settings.timeout_s + 5)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> "WeightSender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------------------
+    def _outer_timeout(self, n_buckets: int = 1) -> float:
+        # A backstop only: each HTTP call and collective has its own bound of timeout_s.
+        s = self.settings
+        return (s.retries + 1) * (n_buckets + 4) * s.timeout_s + 30
+
+    def _engine(self, url: str) -> EngineState:
+        for e in self.engines:
+            if e.url == url.rstrip("/") or e.client.base_url == url.rstrip("/"):
+                return e
+        raise ValueError(f"engine_url {url!r}: not one of the connected engines")
+
+    def _record_version(self, version: int) -> None:
+        sink = self.version_sink
+        if sink is None:
+            return
+        if hasattr(sink, "set_weight_version"):  # a Ray actor handle (the buffer)
+            import ray  # only needed when a Ray handle was given
+
+            ray.get(sink.set_weight_version.remote(version), timeout=self.settings.timeout_s)
+        else:
+            sink(version)
+
+    async def _connect(self, urls: list[str], gpus: list[int]) -> None:
+        t = self.settings.timeout_s
+        self.engines = [EngineState(u.rstrip("/"), g, EngineClient(u, timeout=t)) for u, g in zip(urls, gpus)]
+        await asyncio.gather(*(self._fetch_params(e) for e in self.engines))
+        if self.settings.transport == "distributed":
+            self._link = await self._open(self.engines)
+
+    async def _fetch_params(self, e: EngineState) -> None:
+        """Ask the engine for its parameter list once: ``/weights_info`` (names, shapes, dtypes,
+        ties); else the names of ``/weights_checksum``; else (e.g. SGLang) nothing to validate."""
+        e.params, e.tied, e.complete = None, {}, False
+        try:
+            info = await e.client.request("GET", "/weights_info", timeout=self.settings.timeout_s)
+            e.params = {p["name"]: TensorSpec(p["name"], tuple(p["shape"]), str(p["dtype"]).removeprefix("torch."))
+                        for p in info["params"]}
+            e.tied = {p["name"]: p["tied_to"] for p in info["params"] if p.get("tied_to")}
+            e.complete = True
+            return
+        except EngineError as err:
+            if err.status != 404:
+                raise RuntimeError(f"engine {e.url}: cannot fetch its parameter list: {err}") from err
+        try:
+            sums = await e.client.request("GET", "/weights_checksum", timeout=self.settings.timeout_s)
+            e.params = {n: None for n in sums}  # names only; tied names are not told apart
+            logger.warning("engine %s has no /weights_info: pushes are checked against its names only", e.url)
+        except EngineError as err:
+            if err.status != 404:
+                raise RuntimeError(f"engine {e.url}: cannot fetch its parameter list: {err}") from err
+            logger.warning("engine %s cannot list its parameters (%s); pushes to it are not validated", e.url, err)
+
+    async def _open(self, members: list[EngineState]) -> Link:
+        self._generation += 1
+        name = f"{self.settings.group_name}_{self._generation}"
+        return await open_link(self.settings, [(e.url, e.gpus, e.client) for e in members], name)
+
+    async def _relink(self, members: list[EngineState]) -> Link:
+        """The main link over exactly ``members`` (rebuilt when membership changed)."""
+        if self._link is not None and [m.url for m in members] == self._link.urls:
+            return self._link
+        if self._link is not None:
+            await close_link(self._link, self.settings.timeout_s)
+            self._link = None
+        self._link = await self._open(members)
+        return self._link
+
+    async def _push(self, named, specs, buckets, version, progress) -> dict[str, float]:
+        s = self.settings
+        total_bytes = sum(b.nbytes for b in buckets)
+        last_error: Exception | None = None
+        for attempt in range(s.retries + 1):
+            members = [e for e in self.engines if e.alive]
+            if not members:
+                raise RuntimeError(f"push v{version}: no live engine left ({self.engine_status()})") from last_error
+            t0 = time.perf_counter()
+            try:
+                if s.transport == "distributed":
+                    link = await self._relink(members)
+                t_link = time.perf_counter()
+                await self._all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+                t_paused = time.perf_counter()
+                if s.transport == "distributed":
+                    bcast_s = await self._send_all(link, named, buckets, version, progress)
+                else:
+                    bcast_s = await self._send_disk(members, named, version)
+                t_sent = time.perf_counter()
+                check_s = await self._check_equal(members, named) if s.check_equal else 0.0
+                t_checked = time.perf_counter()
+                await self._all(members, lambda c: c.continue_generation(), "continue_generation")
+                t1 = time.perf_counter()
+            except PushFailed as err:
+                last_error = err
+                logger.warning("push v%d attempt %d failed: %s", version, attempt + 1, err)
+                await self._after_failure(members, err)
+                continue
+            for e in members:
+                e.version = version
+            pause_to_continue = t1 - t_link  # what generation loses to the push
+            return {"weight_sync/time_s": pause_to_continue,
+                    "weight_sync/gib_per_s": total_bytes / GiB / max(pause_to_continue - check_s, 1e-9),
+                    "weight_sync/transfer_s": bcast_s, "weight_sync/pause_s": t_paused - t_link,
+                    "weight_sync/continue_s": t1 - t_checked, "weight_sync/check_s": check_s,
+                    "weight_sync/connect_s": t_link - t0, "weight_sync/total_s": t1 - t0,
+                    "weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(len(buckets)),
+                    "weight_sync/num_tensors": float(len(specs)), "weight_sync/engines": float(len(members)),
+                    "weight_sync/attempts": float(attempt + 1), "weight_sync/version": float(version)}
+        raise RuntimeError(f"push v{version}: failed after {s.retries + 1} attempts; live engines are left "
+                           f"paused (their weights may be partly updated); engines: {self.engine_status()}") \
+            from last_error
+
+    async def _send_all(self, link: Link, named, buckets, version: int, progress) -> float:
+        """Send every bucket over ``link``; return the seconds spent in transfers."""
+        s = self.settings
+        dev = link.device
+        loop = asyncio.get_running_loop()
+        flat_next = loop.run_in_executor(None, link.pack, named, buckets[0], dev)
+        spent = 0.0
+        for i, b in enumerate(buckets):
+            packed = await flat_next
+            if i + 1 < len(buckets):  # pack the next bucket while this one travels
+                flat_next = loop.run_in_executor(None, link.pack, named, buckets[i + 1], dev)
+            last = i == len(buckets) - 1
+            t = time.perf_counter()
+            await send_bucket(link, b, packed, s, weight_version=str(version) if last else None, flush_cache=last)
+            spent += time.perf_counter() - t
+            del packed
+            if progress is not None:
+                progress(i + 1, len(buckets))
+        return spent
+
+    async def _send_disk(self, members: list[EngineState], named, version: int) -> float:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(None, disk.write_hf_checkpoint, named, s.disk_dir, version,
+                                          s.hf_checkpoint, s.disk_keep)
+        t = time.perf_counter()
+        await self._all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
+                                                                      timeout=s.timeout_s),
+                        "update_weights_from_disk")
+        return time.perf_counter() - t
+
+    async def _all(self, members: list[EngineState], call, what: str) -> list:
+        """``call(client)`` on every member concurrently; PushFailed naming each engine that failed."""
+        outs = await asyncio.gather(*(call(e.client) for e in members), return_exceptions=True)
+        failed = {}
+        for e, out in zip(members, outs):
+            if isinstance(out, BaseException):
+                failed[e.url] = f"{what}: {type(out).__name__}: {out}"
+            elif isinstance(out, dict) and out.get("success") is False:
+                failed[e.url] = f"{what}: {out.get('message')}"
+        if failed:
+            raise PushFailed(failed)
+        return outs
+
+    async def _check_equal(self, members: list[EngineState], named) -> float:
+        """Compare every engine's per-tensor checksums with the trainer's (RuntimeError on a mismatch)."""
+        from weight_sync.buckets import tensor_checksum
+
+        t = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        mine = await loop.run_in_executor(None, lambda: {n: tensor_checksum(x) for n, x in named})
+        theirs = await self._all(members, lambda c: c.request("GET", "/weights_checksum",
+                                                              timeout=self.settings.timeout_s), "weights_checksum")
+        for e, sums in zip(members, theirs):
+            sums = sums.get("checksums", sums) if isinstance(sums, dict) else sums
+            for n, want in mine.items():
+                if n not in sums:
+                    raise RuntimeError(f"check_weight_update_equal: engine {e.url} reports no checksum for {n!r}")
+                if sums[n] != want:
+                    raise RuntimeError(f"check_weight_update_equal: weight {n!r} differs on engine {e.url}: "
+                                       f"engine {sums[n]!r} != trainer {want!r}")
+        return time.perf_counter() - t
+
+    async def _after_failure(self, members: list[EngineState], err: PushFailed) -> None:
+        """Mark engines that stopped answering as dead and drop the (now inconsistent) group."""
+        healthy = await asyncio.gather(*(e.client.health(timeout=min(5.0, self.settings.timeout_s))
+                                         for e in members))
+        for e, ok in zip(members, healthy):
+            if e.url in err.failed:
+                e.errors.append(err.failed[e.url])
+            if not ok:
+                logger.warning("engine %s is not answering; it is left out until resync()", e.url)
+                e.alive = False
+                e.version = None
+        if self._link is not None:
+            link, self._link = self._link, None
+            await close_link(link, self.settings.timeout_s,
+                             urls_alive={e.url for e, ok in zip(members, healthy) if ok})
+
+    async def _resync(self, e: EngineState, named_tensors, version) -> dict[str, float]:
+        if not await e.client.health(timeout=min(10.0, self.settings.timeout_s)):
+            raise RuntimeError(f"resync: engine {e.url} is not answering /health")
+        await self._fetch_params(e)  # a restarted engine may report a different list
+        e.alive, e.version = True, None
+        if named_tensors is None:
+            return {}
+        named = list(named_tensors)
+        specs = check_tensors(named)
+        if e.params is not None:
+            check_against_engine(specs, e.params, e.url, e.tied, e.complete)
+        buckets = plan_buckets(specs, self.settings.bucket_bytes)
+        s = self.settings
+        t0 = time.perf_counter()
+        if s.transport == "disk":
+            await self._all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+            await self._send_disk([e], named, version)
+        else:
+            link = await self._open([e])  # a group of the trainer and this engine only
+            try:
+                await self._all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+                await self._send_all(link, named, buckets, version, None)
+            finally:
+                await close_link(link, s.timeout_s)
+        if s.check_equal:
+            await self._check_equal([e], named)
+        await self._all([e], lambda c: c.continue_generation(), "continue_generation")
+        e.version = version
+        return {"weight_sync/resync_s": time.perf_counter() - t0}
+
+    async def _close(self) -> None:
+        if self._link is not None:
+            link, self._link = self._link, None
+            await close_link(link, self.settings.timeout_s, urls_alive={e.url for e in self.engines if e.alive})
+        for e in self.engines:
+            await e.client.close()
+        await asyncio.sleep(0.05)  # aiohttp closes transports on the next loop iterations
