@@ -76,7 +76,7 @@ class Run:
         from buffer import create_buffer
         from buffer.arguments import settings_from_args as buffer_settings
         from rollout_manager.arguments import settings_from_args as rollout_settings
-        from rollout_manager.manager import RolloutManagerActor
+        from rollout_manager.actor import create_rollout_manager_actor
 
         if not ray.is_initialized():
             ray.init(address=self.s.ray_address, include_dashboard=False, log_to_driver=True,
@@ -85,10 +85,10 @@ class Run:
         if bs.persist_dir is None and self.s.save:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
-        self.rollout = RolloutManagerActor.options(num_cpus=0).remote(
-            rollout_settings(self.args), self.args, str(self.output_dir / "logs"))
-        ray.get(self.rollout.start.remote())
-        self.engine_urls = ray.get(self.rollout.get_engine_urls.remote())
+        (self.output_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.rollout = create_rollout_manager_actor(rollout_settings(self.args), self.args,
+                                                    str((self.output_dir / "logs").resolve()))
+        self.engine_urls = ray.get(self.rollout.start.remote())
 
     def _start_trainer(self) -> None:
         from train_backend import create_backend
@@ -207,7 +207,7 @@ class Run:
         import ray
 
         if self._async_ref is not None:
-            ray.cancel(self._async_ref, force=False)
+            ray.get(self.rollout.stop_async.remote())
         if self.sender is not None:
             self.sender.close()
         if self.rollout is not None:
