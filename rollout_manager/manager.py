@@ -13,6 +13,7 @@ import asyncio
 import inspect
 import logging
 import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 from buffer.sample import Sample
@@ -62,6 +63,7 @@ class RolloutManager:
             self.eval_records, self.eval_report = load_prompts(settings.sampling.eval_prompt_data, settings.data,
                                                                self.tokenizer, flag="--eval-prompt-data")
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="reservoir-rollout-")
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self.router: Router | None = None
         self.fleet: EngineFleet | None = None
         self.ctx: RolloutContext | None = None

@@ -50,8 +50,12 @@ class Router:
                "--log-level", "warn", "--health-check-interval-secs", str(max(1, int(health_check_interval))),
                # Our client retries on other engines; the router retrying the same dead one only delays that.
                "--retry-max-retries", "1", "--request-timeout-secs", "3600"]
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:  # the child keeps its own descriptor
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        else:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         router = cls(host, port, proc)
         router._wait_up(timeout)
         return router
