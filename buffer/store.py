@@ -22,10 +22,12 @@ actor to recover from what is on disk.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 SEGMENT_SCHEMA = SCHEMA.append(pa.field("_gid", pa.int64())).append(pa.field("_put_id", pa.string()))
 LOG_NAME = "log.jsonl"
 SNAPSHOT_BATCH_GROUPS = 64  # groups per record batch when a whole state is written at once
+LOCK_WAIT_S = 30.0  # a killed predecessor's lock goes with its process; wait that long for it
 
 
 def _seg_name(n: int) -> str:
@@ -156,7 +159,7 @@ class SegmentStore:
 
     def __init__(self, root: str | Path, fsync: bool = False, segment_bytes: int = 64 << 20,
                  log_compact_bytes: int = 16 << 20, compact_min_bytes: int = 256 << 20,
-                 compact_factor: float = 4.0) -> None:
+                 compact_factor: float = 4.0, lock_wait_s: float = LOCK_WAIT_S) -> None:
         self.root = Path(root)
         self.fsync = fsync
         self.segment_bytes = segment_bytes
@@ -167,6 +170,7 @@ class SegmentStore:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--buffer-dir {str(root)!r}: cannot create it: {e}") from e
+        self._lock_fd = self._lock(lock_wait_s)
         current = self.root / "CURRENT"
         self._gen = int(current.read_text().strip()) if current.exists() else 0
         self._seg_live: dict[int, int] = {}  # segment -> live groups
@@ -297,8 +301,29 @@ class SegmentStore:
         if self._log_fd is not None:
             os.close(self._log_fd)
             self._log_fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the directory
+            self._lock_fd = None
 
     # --- internals ---------------------------------------------------------------------------
+    def _lock(self, wait_s: float) -> int:
+        """One process per directory: two buffers appending to one log would corrupt it.
+
+        A POSIX record lock belongs to the process, so the kernel drops it when the process dies
+        (SIGKILL included) and a restarted actor gets it."""
+        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise RuntimeError(f"--buffer-dir {str(self.root)!r} is in use by another buffer "
+                                       f"process (still locked after {wait_s:g}s)") from None
+                time.sleep(0.1)
+
     def _check(self) -> None:
         if self._failed is not None:
             raise RuntimeError(f"buffer store at {self.root} stopped after a write error "

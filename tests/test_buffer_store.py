@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -184,3 +186,18 @@ def test_fsync_mode_roundtrip(tmp_path):
     c.try_get(1, step=3)
     c2, _ = open_core(tmp_path, fsync=True)
     assert json.loads(json.dumps(state(c2))) == {"version": 0, "queue": [], "returned": [], "leases": {"3": [0]}}
+
+
+def test_one_process_per_directory(tmp_path):
+    c, store = open_core(tmp_path)
+    c.put([make_group(0)])
+    root = Path(__file__).resolve().parents[1]
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from buffer.store import SegmentStore\n"
+             "try:\n    SegmentStore(sys.argv[2], lock_wait_s=0.2)\nexcept RuntimeError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", probe, str(root), str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert "is in use by another buffer process" in out.stdout, out.stderr
+    store.close()  # released: another process may take over
+    out = subprocess.run([sys.executable, "-c", probe, str(root), str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout == "", out.stderr
