@@ -132,6 +132,12 @@ def spawn(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 2
 
 
 # ----------------------------------------------------------------------- checks run in ranks
+def check_layouts(ckpt_dirs: dict[str, str], layouts: list[tuple[int, int]]) -> dict[str, Any]:
+    """:func:`check_equivalence` for each ``(tp, pp)`` layout in turn, in one job (saves the
+    start-up of a process group per layout)."""
+    return {f"tp{tp}pp{pp}": check_equivalence(ckpt_dirs, tp, pp) for tp, pp in layouts}
+
+
 def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, dict[str, float]]:
     """For each checkpoint: build the model on this layout, load it, compare logits and
     engine-style log-probs with HF, and export(load(ckpt)) with the checkpoint.
@@ -226,6 +232,17 @@ def train_settings(ckpt: str, **kw: Any) -> Any:
                 global_batch_size=4, max_tokens_per_micro_batch=40, seed=3)
     base.update(kw)
     return TrainSettings(**base)
+
+
+def run_layouts(ckpt: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`run_megatron` for each job's keyword arguments in turn, in one process group."""
+    from train_backend.megatron import parallel
+
+    out = []
+    for kw in jobs:
+        out.append(run_megatron(ckpt, **kw))
+        parallel.destroy_parallel_state()
+    return out
 
 
 def run_megatron(ckpt: str, megatron_kw: dict, steps: int, save_dir: str | None = None,

@@ -1,6 +1,6 @@
-"""The Megatron backend trains exactly like the torch backend (same batch, same settings), on one
-rank and with TP=2, PP=2, DP=2 + distributed optimizer; save/load restarts exactly; export_hf
-writes a checkpoint transformers loads."""
+"""The Megatron backend trains exactly like the torch backend (same batches, same settings) with
+TP=2, PP=2 and DP=2 + distributed optimizer; save/load restarts exactly; export_hf writes a
+checkpoint transformers loads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._fixtures_megatron import make_groups, run_megatron, spawn, train_settings
+from tests._fixtures_megatron import make_groups, run_layouts, run_megatron, spawn, train_settings
 
 pytest.importorskip("megatron.core")
 
@@ -51,39 +51,54 @@ def _assert_matches(ref: dict[str, Any], got: dict[str, Any], what: str, tol: fl
     assert [len(a) for a in ref["logprobs"]] == [len(b) for b in got["logprobs"]]
 
 
-def test_single_rank_matches_torch_backend(toy: str, reference: dict[str, Any], tmp_path: Path) -> None:
-    got = spawn(run_megatron, 1, (toy, {}, STEPS, str(tmp_path / "ckpt"), str(tmp_path / "hf")), tmp_path / "r")[0]
-    _assert_matches(reference, got, "tp1pp1")
-    # weights really moved (the comparison above is not between two untouched models)
+LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2},
+           "dp2_distopt": {"use_distributed_optimizer": True}}
+
+
+@pytest.fixture(scope="module")
+def runs(toy: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every layout on 2 gloo ranks in one job; DP=2 also saves/reloads and exports."""
+    tmp = tmp_path_factory.mktemp("megatron_runs")
+    jobs = [{"megatron_kw": kw, "steps": STEPS} for kw in LAYOUTS.values()]
+    jobs[-1].update(save_dir=str(tmp / "ckpt"), export_dir=str(tmp / "hf"))
+    got = spawn(run_layouts, 2, (toy, jobs), tmp / "ranks")[0]
+    out = dict(zip(LAYOUTS, got))
+    out["dp2_distopt"]["export_dir"] = str(tmp / "hf")
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_torch_backend(reference: dict[str, Any], runs: dict[str, dict[str, Any]], layout: str) -> None:
+    _assert_matches(reference, runs[layout], layout)
+
+
+def test_weights_moved(toy: str, runs: dict[str, dict[str, Any]]) -> None:
+    """The comparison is not between two untouched models."""
     from safetensors.torch import load_file
 
     init = load_file(str(Path(toy) / "model.safetensors"))
-    assert max((got["weights"][k] - init[k]).abs().max().item() for k in init) > 1e-4
-    # save after step 0 / load / replay steps 1.. gives the same weights and metrics, bit for bit
+    got = runs["dp2_distopt"]["weights"]
+    assert max((got[k] - init[k]).abs().max().item() for k in init) > 1e-4
+
+
+def test_save_load_replays_exactly(runs: dict[str, dict[str, Any]]) -> None:
+    """Save after step 0, finish, load, replay steps 1..: same weights and metrics, bit for bit
+    (distributed optimizer: every rank's shard of master weights and Adam moments)."""
+    got = runs["dp2_distopt"]
     assert all(torch.equal(got["replay_weights"][k], got["weights"][k]) for k in got["weights"])
     assert got["replay_metrics"][0]["train/loss"] == got["metrics"][1]["train/loss"]
-    # export_hf: transformers loads it, with the trained weights and the tokenizer
+
+
+def test_export_hf_loads_in_transformers(toy: str, runs: dict[str, dict[str, Any]]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    sd = hf.state_dict()
+    got = runs["dp2_distopt"]
+    sd = AutoModelForCausalLM.from_pretrained(got["export_dir"]).state_dict()
     assert all(torch.equal(sd[k], got["weights"][k]) for k in got["weights"])
-    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("1+2=") == AutoTokenizer.from_pretrained(toy).encode("1+2=")
+    assert AutoTokenizer.from_pretrained(got["export_dir"]).encode("1+2=") == AutoTokenizer.from_pretrained(toy).encode("1+2=")
 
 
-@pytest.mark.parametrize("layout", [
-    {"tensor_model_parallel_size": 2},
-    {"pipeline_model_parallel_size": 2},
-    {"use_distributed_optimizer": True},  # DP=2
-], ids=["tp2", "pp2", "dp2_distopt"])
-def test_two_ranks_match_torch_backend(toy: str, reference: dict[str, Any], tmp_path: Path, layout: dict) -> None:
-    save = str(tmp_path / "ckpt") if layout.get("use_distributed_optimizer") else None
-    got = spawn(run_megatron, 2, (toy, layout, STEPS, save), tmp_path / "r")[0]
-    _assert_matches(reference, got, str(layout))
-    if save is not None:
-        assert all(torch.equal(got["replay_weights"][k], got["weights"][k]) for k in got["weights"])
-
-
+@pytest.mark.slow
 def test_bf16_trains(toy: str, tmp_path: Path) -> None:
     """bf16 params with fp32 master weights (megatron's mixed-precision optimizer) on CPU."""
     got = spawn(run_megatron, 1, (toy, {}, 1, None, None, {"dtype": "bfloat16"}), tmp_path / "r")[0]

@@ -1,0 +1,37 @@
+"""Flags of the Megatron backend: defaults from the settings dataclass, validation naming flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from train_backend.megatron.arguments import MegatronSettings, add_arguments, settings_from_args
+
+
+def _parse(*argv: str) -> MegatronSettings:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return settings_from_args(p.parse_args(list(argv)))
+
+
+def test_defaults_come_from_the_dataclass() -> None:
+    assert _parse() == MegatronSettings()
+
+
+def test_flags_reach_the_settings() -> None:
+    s = _parse("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--sequence-parallel",
+               "--use-distributed-optimizer", "--make-vocab-size-divisible-by", "64", "--recompute-activations",
+               "--transformer-impl", "local")
+    assert s == MegatronSettings(2, 4, True, True, 64, True, "local")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by"),
+    (["--sequence-parallel"], "--sequence-parallel"),
+])
+def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        _parse(*argv)
