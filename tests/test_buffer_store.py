@@ -201,3 +201,49 @@ def test_one_process_per_directory(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe, str(root), str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout == "", out.stderr
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_recover_exactly(tmp_path, seed):
+    """A model check: a persistent core and an in-memory twin see the same random operations; the
+    persistent one is reopened ("crashes") now and then and must always match its twin."""
+    import random
+
+    rng = random.Random(seed)
+    kw = {"segment_bytes": rng.choice([1, 3000, 1 << 20]), "log_compact_bytes": rng.choice([200, 1 << 20]),
+          "compact_min_bytes": 5000, "compact_factor": 2.0}
+    settings = {"capacity": 1000, "max_weight_staleness": rng.choice([None, 0, 2]),
+                "stale_policy": rng.choice(["drop", "return"])}
+    disk, store = open_core(tmp_path, store_kw=kw, **settings)
+    twin = BufferCore(BufferSettings(**settings))
+    version, step, gid = 0, 0, 0
+    for i in range(300):
+        op = rng.random()
+        if op < 0.35:
+            n = rng.randint(1, 3)
+            groups = [make_group(gid + j, version=max(0, version - rng.randint(0, 3))) for j in range(n)]
+            gid += n
+            for c in (disk, twin):
+                c.put([[s.copy() for s in g] for g in groups], put_id=f"p{i}")
+        elif op < 0.55:
+            n, s = rng.randint(1, 3), rng.choice([None, step + 1])
+            step = s if s is not None else step
+            assert ids(disk.try_get(n, s) or []) == ids(twin.try_get(n, s) or [])
+        elif op < 0.65:
+            k = rng.randint(0, step)
+            disk.commit(k), twin.commit(k)
+        elif op < 0.72:
+            k = rng.randint(0, step)
+            assert disk.rewind(k) == twin.rewind(k)
+        elif op < 0.8:
+            version += rng.randint(0, 1)
+            disk.set_version(version), twin.set_version(version)
+        elif op < 0.87:
+            n = rng.randint(0, 2)
+            assert ids(disk.take_returned(n)) == ids(twin.take_returned(n))
+        else:
+            store.close() if rng.random() < 0.5 else None  # a clean stop, or a "crash" (nothing closed)
+            disk, store = open_core(tmp_path, store_kw=kw, **settings)
+        assert state(disk) == state(twin), f"op {i}"
+    on_disk = sum(p.stat().st_size for p in store.directory.iterdir())
+    assert disk.as_metrics()["bytes_on_disk"] == on_disk
