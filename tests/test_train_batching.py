@@ -39,6 +39,17 @@ def test_pack_layout():
         pack([_sample([], [1, 2])])
 
 
+def test_pack_into_rows():
+    a, b, c, d = (_sample([1] * (n - 1), [10 + n], reward=0.0) for n in (5, 4, 3, 2))
+    mb = pack([a, b, c, d], [1.0, 2.0, 3.0, 4.0], row_len=6, pad_id=0)
+    # first-fit decreasing: rows {a}, {b, d}, {c}; each padded to 6 with positions continuing
+    assert mb.input_ids.tolist() == [[1, 1, 1, 1, 15, 0], [1, 1, 1, 14, 1, 12], [1, 1, 13, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5]]
+    assert mb.logit_index.tolist() == [3, 8, 13, 10]  # row * 6 + column, in sample order
+    assert mb.targets.tolist() == [15, 14, 13, 12]
+    assert mb.seq_ids.tolist() == [0, 1, 2, 3] and mb.advantages.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_plan_micro_batches_respects_the_budget():
     lengths = [5, 9, 3, 7, 2, 8, 20]
     plan = plan_micro_batches(lengths, 10)

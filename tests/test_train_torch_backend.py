@@ -27,6 +27,8 @@ def test_step0_log_probs_match_an_hf_forward(toy_model_dir, groups):
 
     ref = AutoModelForCausalLM.from_pretrained(toy_model_dir)
     samples = [s for g in groups for s in g][:12]
+    # short ones too, so that several sequences share a packed row (rows are as long as the longest)
+    samples += [s.copy(tokens=s.tokens[-(s.response_length + 2):]) for s in samples[:4]]
     for max_tokens in (10_000, 40):  # one packed row, and many small micro-batches
         b = create_backend(settings(toy_model_dir, rollout_temperature=0.7, max_tokens_per_micro_batch=max_tokens))
         assert isinstance(b, TorchBackend)

@@ -6,9 +6,9 @@
 2. :func:`split_steps` cuts the trainable samples into optimizer steps (``--global-batch-size``),
    :func:`balance` gives each data-parallel rank a share with about equal tokens, and
    :func:`plan_micro_batches` bins a rank's share under ``--max-tokens-per-micro-batch``.
-3. :func:`pack` concatenates a micro-batch's sequences into one row with restarting position ids
-   (no padding: HF models detect the packing from the position ids and mask attention per
-   sequence) and gathers the flat ``[N]`` per-response-token tensors that the losses use.
+3. :func:`pack` concatenates a micro-batch's sequences into rows with restarting position ids
+   (HF models detect the packing from the position ids and mask attention per sequence) and
+   gathers the flat ``[N]`` per-response-token tensors that the losses use.
 """
 
 from __future__ import annotations
@@ -136,13 +136,18 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 @dataclass
 class PackedMicroBatch:
-    """One packed row of sequences and the flat per-response-token tensors of the losses."""
+    """Sequences packed into ``R`` rows, and the flat per-response-token tensors of the losses.
 
-    input_ids: Tensor  # [1, T] all tokens of all sequences, concatenated
-    position_ids: Tensor  # [1, T] restarting at 0 for each sequence
-    logit_index: Tensor  # [N] position in the row whose logits predict each response token
+    Within a row, sequences are concatenated with position ids restarting at 0 (HF models mask
+    attention per sequence from that); a row shorter than ``T`` is padded at its end, the padding
+    continuing the last sequence's positions (no real token attends to it: attention is causal).
+    """
+
+    input_ids: Tensor  # [R, T]
+    position_ids: Tensor  # [R, T]
+    logit_index: Tensor  # [N] flat index (row * T + column) of the logits predicting each response token
     targets: Tensor  # [N] the response tokens
-    seq_ids: Tensor  # [N] 0..S-1: which sequence each response token belongs to
+    seq_ids: Tensor  # [N] 0..S-1: which sequence (in the order given to pack) each token belongs to
     loss_mask: Tensor  # [N]
     advantages: Tensor  # [N] the sequence's advantage on each of its tokens
     rollout_logp: Tensor  # [N] engine log-probs (0 where missing)
@@ -162,39 +167,60 @@ class PackedMicroBatch:
         return list(torch.split(flat, self.response_lengths))
 
 
-def pack(samples: list[Sample], advantages: list[float] | None = None) -> PackedMicroBatch:
-    """Pack ``samples`` into one row. ``advantages`` (per sample) default to 0."""
+def pack(samples: list[Sample], advantages: list[float] | None = None, row_len: int | None = None,
+         pad_id: int = 0) -> PackedMicroBatch:
+    """Pack ``samples`` (advantages per sample, default 0) into rows.
+
+    ``row_len=None``: one row holding everything (for varlen attention kernels, which cost
+    nothing for the packing). Otherwise rows of at most ``row_len`` tokens (first-fit decreasing;
+    a longer sequence gets a row of its own): with a dense attention mask the cost grows with the
+    square of the row length, so rows about as long as the longest sequence cost no more
+    attention than padding and waste far fewer tokens.
+    """
     if not samples:
         raise ValueError("pack: no samples")
-    ids, pos, logit_index, seq_ids, rl = [], [], [], [], []
-    rollout_logp, rollout_mask, mask, adv = [], [], [], []
-    offset = 0
-    for j, s in enumerate(samples):
-        n, r = len(s.tokens), s.response_length
-        if not 0 < r < n:
-            raise ValueError(f"sample {s.index}: response_length={r} cannot be scored (tokens: {n}); "
-                             "need a non-empty response after a non-empty prompt")
-        ids.append(torch.as_tensor(s.tokens, dtype=torch.long))
-        pos.append(torch.arange(n))
-        logit_index.append(torch.arange(offset + n - r - 1, offset + n - 1))
-        seq_ids.append(torch.full((r,), j, dtype=torch.long))
-        rl.append(r)
-        mask.append(torch.as_tensor(s.loss_mask, dtype=torch.float32))
-        adv.append(torch.full((r,), 0.0 if advantages is None else advantages[j], dtype=torch.float32))
-        have = s.rollout_log_probs is not None
-        rollout_logp.append(torch.as_tensor(s.rollout_log_probs, dtype=torch.float32) if have else torch.zeros(r))
-        rollout_mask.append(torch.full((r,), 1.0 if have else 0.0))
-        offset += n
-    input_ids = torch.cat(ids).unsqueeze(0)  # [1, T]
+    for s in samples:
+        if not 0 < s.response_length < len(s.tokens):
+            raise ValueError(f"sample {s.index}: response_length={s.response_length} cannot be scored "
+                             f"(tokens: {len(s.tokens)}); need a non-empty response after a non-empty prompt")
+    lengths = [len(s.tokens) for s in samples]
+    rows = [list(range(len(samples)))] if row_len is None else plan_micro_batches(lengths, row_len)
+    T = max(sum(lengths[j] for j in row) for row in rows)
+    # built as Python lists and converted once: per-sample tensor ops dominate for short sequences
+    ids: list[int] = []
+    pos: list[int] = []
+    start = [0] * len(samples)  # flat index of each sample's first token
+    for r, row in enumerate(rows):
+        for j in row:
+            start[j] = len(ids)
+            ids.extend(samples[j].tokens)
+            pos.extend(range(lengths[j]))
+        pad = (r + 1) * T - len(ids)
+        ids.extend([pad_id] * pad)
+        # padding continues the row's last sequence: causal attention keeps it invisible to the real
+        # tokens, and a row holding one sequence then needs no packed mask at all (plain causal)
+        last = lengths[row[-1]]
+        pos.extend(range(last, last + pad))
+    input_ids = torch.tensor(ids, dtype=torch.long).view(len(rows), T)  # [R, T]
+    position_ids = torch.tensor(pos, dtype=torch.long).view(len(rows), T)  # [R, T]
+    rl = [s.response_length for s in samples]
+    logit_index = torch.tensor([i for j in range(len(samples))
+                                for i in range(start[j] + lengths[j] - rl[j] - 1, start[j] + lengths[j] - 1)])  # [N]
+    mask = [m for s in samples for m in s.loss_mask]
+    rollout = [x for s, r in zip(samples, rl) for x in (s.rollout_log_probs or [0.0] * r)]
+    have = [s.rollout_log_probs is not None for s in samples]
+    counts = torch.tensor(rl)  # [S]
     return PackedMicroBatch(
         input_ids=input_ids,
-        position_ids=torch.cat(pos).unsqueeze(0),  # [1, T]
-        logit_index=torch.cat(logit_index),  # [N]
-        targets=input_ids[0, torch.cat(logit_index) + 1],  # [N]
-        seq_ids=torch.cat(seq_ids),  # [N]
-        loss_mask=torch.cat(mask),  # [N]
-        advantages=torch.cat(adv),  # [N]
-        rollout_logp=torch.cat(rollout_logp),  # [N]
-        rollout_mask=torch.cat(rollout_mask),  # [N]
+        position_ids=position_ids,
+        logit_index=logit_index,
+        targets=input_ids.view(-1)[logit_index + 1],  # [N]
+        seq_ids=torch.repeat_interleave(torch.arange(len(samples)), counts),  # [N]
+        loss_mask=torch.tensor(mask, dtype=torch.float32),  # [N]
+        advantages=torch.repeat_interleave(
+            torch.tensor([0.0] * len(samples) if advantages is None else advantages, dtype=torch.float32),
+            counts),  # [N]
+        rollout_logp=torch.tensor(rollout, dtype=torch.float32),  # [N]
+        rollout_mask=torch.repeat_interleave(torch.tensor(have, dtype=torch.float32), counts),  # [N]
         response_lengths=rl,
     )

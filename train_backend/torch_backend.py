@@ -48,6 +48,9 @@ class TorchBackend:
         model = AutoModelForCausalLM.from_pretrained(settings.hf_checkpoint, dtype=getattr(torch, settings.dtype))
         self.config = model.config
         self.max_seq_len: int | None = self.config.max_position_embeddings
+        # Varlen attention kernels cost nothing for packing everything into one row; a dense mask
+        # (sdpa/eager) costs row_length^2, so rows are then kept about as long as the longest sequence.
+        self.one_row = self.config._attn_implementation in ("flash_attention_2", "flash_attention_3")
         # The reference policy = a frozen copy of the initial weights; it stays on the CPU between
         # uses so it costs no accelerator memory while the policy trains.
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if settings.use_kl_loss else None
@@ -80,10 +83,17 @@ class TorchBackend:
                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Policy log-probs (and entropy) of a packed micro-batch's response tokens: ``[N]``.
         The entropy keeps its graph only with ``entropy_grad`` (it costs a [N, V] softmax)."""
-        # logits only where a response token is predicted: the prompt's vocab projections are skipped
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.logit_index,
-                    use_cache=False)
-        logits = out.logits[0]  # [N, V]
+        # logits only where a response token is predicted: most prompt vocab projections are skipped
+        rows, width = mb.input_ids.shape
+        if rows == 1:
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.logit_index,
+                        use_cache=False)
+            logits = out.logits[0]  # [N, V]
+        else:  # keep the columns any row needs, then pick each token's (row, column)
+            keep, inverse = torch.unique(mb.logit_index % width, return_inverse=True)  # [K], [N]
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=keep,
+                        use_cache=False)
+            logits = out.logits[mb.logit_index // width, inverse]  # [N, V]
         temp = self.settings.rollout_temperature
         logp, entropy = log_probs_from_logits(logits, mb.targets, temp, with_entropy and entropy_grad)
         if with_entropy and not entropy_grad:
@@ -116,20 +126,24 @@ class TorchBackend:
             raise ValueError("train_step: rank 0 passed groups=None")
         return box[0]
 
+    def _pack(self, samples: list[Sample], advantages: list[float] | None = None) -> PackedMicroBatch:
+        row_len = None if self.one_row else max(len(x.tokens) for x in samples)
+        return pack(samples, advantages, row_len=row_len, pad_id=self.config.pad_token_id or 0).to(self.device)
+
     def _rank_micro_batches(self, batch: RolloutBatch, idx: list[int], adv: list[float]) -> list[PackedMicroBatch]:
         """This rank's share of the samples ``idx``, packed; every rank gets the same number of
         micro-batches (FSDP's collectives run per forward), padded with zero-weight repeats."""
         lengths = [len(batch.samples[i].tokens) for i in idx]
         share = [idx[j] for j in balance(lengths, self.world_size)[self.rank]]
         plan = plan_micro_batches([len(batch.samples[i].tokens) for i in share], self.settings.max_tokens_per_micro_batch)
-        mbs = [pack([batch.samples[share[j]] for j in b], [adv[share[j]] for j in b]).to(self.device) for b in plan]
+        mbs = [self._pack([batch.samples[share[j]] for j in b], [adv[share[j]] for j in b]) for b in plan]
         n = len(mbs)
         if self.distributed:
             t = torch.tensor([n], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n = int(t.item())
         while len(mbs) < n:  # a dummy with an all-zero loss mask: runs the collectives, adds nothing
-            dummy = pack([batch.samples[idx[0]]], [0.0]).to(self.device)
+            dummy = self._pack([batch.samples[idx[0]]], [0.0])
             dummy.loss_mask.zero_()
             dummy.rollout_mask.zero_()
             mbs.append(dummy)
@@ -236,7 +250,7 @@ class TorchBackend:
         todo = [i for i, x in enumerate(samples) if x.response_length > 0]
         plan = plan_micro_batches([len(samples[i].tokens) for i in todo], self.settings.max_tokens_per_micro_batch)
         for b in plan:
-            mb = pack([samples[todo[j]] for j in b]).to(self.device)
+            mb = self._pack([samples[todo[j]] for j in b])
             logp, _ = self._log_probs(self.model, mb, False)
             for j, t in zip(b, mb.split(logp)):
                 out[todo[j]] = t.tolist()
