@@ -42,9 +42,12 @@ def engine_model_b(tmp_path_factory) -> Path:
 
 
 def start_engine(model: Path, **settings: Any) -> tuple[subprocess.Popen, str]:
+    """An engine subprocess on a free port. One torch thread by default: on a loaded 2-core
+    machine several multi-threaded processes spin against each other (10-100x slower)."""
     from rollout_manager.engine import EngineSettings, launch_engine_process
 
-    return launch_engine_process(EngineSettings(model_path=str(model), port=0, **settings), timeout_s=120)
+    settings.setdefault("num_threads", 1)
+    return launch_engine_process(EngineSettings(model_path=str(model), port=0, **settings), timeout_s=180)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
