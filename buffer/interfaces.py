@@ -76,7 +76,9 @@ def create_buffer(name: str, settings: BufferSettings, plugin_args: argparse.Nam
     """Start (or find, if it already runs) the named buffer actor; Ray must be initialised.
 
     With ``settings.persist_dir`` the actor is restartable (``max_restarts=-1``) and recovers its
-    state from disk in ``__init__``, after a crash or when a new job points at the same directory.
+    state from disk in ``__init__``, after a crash or when a new job points at the same directory;
+    it is pinned to the caller's node, so a restart finds the same local disk (pass a
+    ``scheduling_strategy`` in ``actor_options`` when the directory is on a shared filesystem).
     ``plugin_args`` is the namespace handed to the filter plugin (slime's contract).
     ``detached`` keeps the actor alive after the creating driver exits. ``actor_options``
     overrides Ray options (e.g. ``num_cpus`` or a scheduling strategy).
@@ -96,6 +98,11 @@ def create_buffer(name: str, settings: BufferSettings, plugin_args: argparse.Nam
     )
     if detached:
         options["lifetime"] = "detached"
+    if settings.persist_dir:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            node_id=ray.get_runtime_context().get_node_id(), soft=False)
     options.update(actor_options or {})
     handle = BufferActor.options(**options).remote(settings, plugin_args)
     # Surfaces __init__ errors (e.g. an unusable --buffer-dir) here, as ActorDiedError with the cause.
