@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
           f" {metrics['params'] / 1e6:.1f}M params, {seq} tokens/seq, {tokens} tokens/step)")
     for name in backends:
         print(f"{name:9} {metrics[f'{name}_step_s']:8.3f} {metrics[f'{name}_tokens_per_s']:10.0f} "
-              f"{metrics[f"{name}_model_tflops"]:8.4g} {metrics[f'{name}_mfu']:6.3f}")
+              f"{metrics[f'{name}_model_tflops']:8.4g} {metrics[f'{name}_mfu']:6.3f}")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     result = {
         "name": "train",
