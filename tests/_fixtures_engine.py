@@ -59,9 +59,10 @@ def stop_process(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_url(engine_model) -> Iterator[str]:
-    """One engine subprocess (seed 0) shared by a test module."""
+    """One engine subprocess (seed 0) shared by the engine tests (tests that change its weights
+    restore them before they end)."""
     proc, url = start_engine(engine_model, random_seed=0)
     try:
         yield url

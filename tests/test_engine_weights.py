@@ -31,7 +31,7 @@ async def greedy(c: EngineClient) -> tuple[list[list[int]], set[str]]:
     return [r["output_ids"] for r in rs], {r["meta_info"]["weight_version"] for r in rs}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def engine(engine_url):
     """One engine for the module: the update test ends by reloading the original weights."""
     return engine_url
