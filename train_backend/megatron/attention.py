@@ -95,6 +95,8 @@ class SDPAttention(MegatronModule):
             if b != 1:
                 raise ValueError("SDPAttention: packed sequences need micro-batch size 1")
             cu = packed_seq_params.cu_seqlens_q.tolist()
+            if cu[-1] < sq:  # trailing padding: one more (ignored) segment
+                cu.append(sq)
             # Each packed segment attends only to itself (causally).
             out = torch.cat([self._sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
                              for s, e in zip(cu[:-1], cu[1:]) if e > s], dim=2)  # [1, np, sq, hn]
