@@ -34,7 +34,7 @@ def ray_local():
     # Workers import `buffer` (the repo) and functions defined in test modules (tests/).
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="reservoir-tests",
+             configure_logging=False, namespace="reservoir-tests", _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         yield ray
