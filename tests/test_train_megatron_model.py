@@ -80,3 +80,38 @@ def test_unsupported_configs_are_rejected() -> None:
     with pytest.raises(ValueError, match="rope_type"):
         mmodel.hf_inv_freq(yarn)
     assert mmodel.padded_vocab(100, 128, 2) == 256 and mmodel.padded_vocab(256, 128, 2) == 256
+
+
+def test_sdpa_attention_matches_naive_causal_attention() -> None:
+    """Core attention = softmax(QK^T/sqrt(d) + causal mask) V with GQA; packed segments attend
+    only within themselves."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from train_backend.megatron.attention import SDPAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                            attention_dropout=0.0)
+    attn = SDPAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    torch.manual_seed(0)
+    s, b = 10, 2
+    q = torch.randn(s, b, 4, 16)  # [s, b, np, hn]
+    k, v = torch.randn(s, b, 2, 16), torch.randn(s, b, 2, 16)  # [s, b, ng, hn]
+
+    def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)  # [s, b, np, hn]
+        scores = torch.einsum("sbhd,tbhd->bhst", q, kk) / 4.0  # [b, np, s, s]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vv).reshape(n, q.shape[1], -1)  # [s, b, np*hn]
+
+    assert torch.allclose(attn(q, k, v, None), naive(q, k, v), atol=1e-5)
+    packed = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4, 9]), cu_seqlens_kv=torch.tensor([0, 4, 9]))
+    out = attn(q[:, :1], k[:, :1], v[:, :1], None, packed_seq_params=packed)  # [s, 1, np*hn]
+    assert torch.allclose(out[:4], naive(q[:4, :1], k[:4, :1], v[:4, :1]), atol=1e-5)
+    assert torch.allclose(out[4:9], naive(q[4:9, :1], k[4:9, :1], v[4:9, :1]), atol=1e-5)
+    assert out.shape == (s, 1, 64)
