@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     tmp = tempfile.TemporaryDirectory(prefix="bench-buffer-")
     try:

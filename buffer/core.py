@@ -111,7 +111,11 @@ class BufferCore:
             entries.append(Entry(self._next_gid, group, group_oldest_version(group), put_id))
             self._next_gid += 1
         if self._journal is not None:
-            self._journal.append(entries, put_id)  # durable before the put is acknowledged
+            try:
+                self._journal.append(entries, put_id)  # durable before the put is acknowledged
+            except ValueError as e:  # not storable: rejected like any bad input, nothing stored
+                self.metrics.reject(e, len(groups), field="not_storable")
+                raise
         for e in entries:
             self._queue[e.gid] = e
         if put_id is not None:

@@ -42,10 +42,10 @@ class BufferMetrics:
     get_wait_s: float = 0.0  # time gets spent waiting for eligible groups
     recovered_groups: int = 0  # live groups found on disk at start-up
 
-    def reject(self, err: ValueError, num_groups: int) -> None:
+    def reject(self, err: ValueError, num_groups: int, field: str | None = None) -> None:
         self.rejected_puts += 1
         self.rejected_groups += num_groups
-        self.rejected_by_field[rejected_field(err)] += 1
+        self.rejected_by_field[field or rejected_field(err)] += 1
 
     def as_dict(self) -> dict[str, float | int | dict]:
         n = sum(self.staleness.values())

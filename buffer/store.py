@@ -215,11 +215,17 @@ class SegmentStore:
     # --- the Journal protocol ----------------------------------------------------------------
     def append(self, entries: list[Entry], put_id: str | None) -> None:
         self._check()
+        try:  # conversion first: a group Arrow cannot hold is bad input, not a broken store
+            batch = segment_batch(entries, put_id)
+        except (ValueError, TypeError, OverflowError, pa.ArrowException) as e:
+            raise ValueError(f"put(put_id={put_id!r}): the groups cannot be stored as Arrow rows (a field "
+                             f"holds a value that is not JSON/numeric as the Sample contract says): "
+                             f"{type(e).__name__}: {e}") from e
         try:
             if self._writer is None:
                 self._open_segment()
             start = self._file.tell()
-            self._writer.write_batch(segment_batch(entries, put_id))
+            self._writer.write_batch(batch)
             if self.fsync:
                 os.fsync(self._file.fileno())
             end = self._file.tell()

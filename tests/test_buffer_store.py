@@ -247,3 +247,15 @@ def test_random_operations_recover_exactly(tmp_path, seed):
         assert state(disk) == state(twin), f"op {i}"
     on_disk = sum(p.stat().st_size for p in store.directory.iterdir())
     assert disk.as_metrics()["bytes_on_disk"] == on_disk
+
+
+def test_unstorable_values_are_rejected_and_the_store_keeps_serving(tmp_path):
+    c, _ = open_core(tmp_path)
+    bad = make_group(1)
+    bad[0].metadata = {"x": {1, 2}}  # a set: not JSON
+    with pytest.raises(ValueError, match="cannot be stored as Arrow"):
+        c.put([make_group(0), bad], put_id="a")
+    assert c.size() == 0 and c.duplicate("a") is None and c.as_metrics()["rejected_by_field"] == {"not_storable": 1}
+    c.put([make_group(2)], put_id="b")
+    c2, _ = open_core(tmp_path)
+    assert ids(c2.try_get(1)) == [2]
