@@ -11,7 +11,8 @@ import torch
 from buffer.sample import Sample, Status
 from train_backend import TrainSettings
 from train_backend.arguments import add_arguments, settings_from_args
-from train_backend.batching import balance, pack, plan_micro_batches, prepare_batch, split_steps
+from train_backend.batching import (balance, pack, plan_micro_batches, prepare_batch, split_steps,
+                                    whiten_advantages)
 from train_backend.schedule import learning_rate
 
 
@@ -87,6 +88,14 @@ def test_prepare_batch_baselines_and_skips():
     with pytest.raises(ValueError, match="--reward-key"):
         prepare_batch([[d]], "grpo", None, None)
     assert prepare_batch([[d, d.copy(reward={"acc": 0.0, "fmt": 1.0})]], "dr_grpo", "acc", None).advantages == [0.5, -0.5]
+
+
+def test_whiten_advantages_weighs_samples_by_loss_tokens():
+    a = _sample([1], [2, 3, 4], mask=[1, 1, 0])  # 2 loss tokens
+    b = _sample([1], [2])  # 1 loss token
+    out = whiten_advantages([a, b], [1.0, -2.0])
+    tokens = torch.tensor([out[0], out[0], out[1]], dtype=torch.float64)  # [3] the loss tokens
+    assert abs(float(tokens.mean())) < 1e-9 and float(tokens.std()) == pytest.approx(1.0, abs=1e-6)
 
 
 def _parser():

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
-from train_backend.losses import compute_advantages
+from train_backend.losses import compute_advantages, masked_whiten
 
 SKIP_REASONS = ("status", "empty_response", "zero_loss_mask", "too_long")
 
@@ -80,6 +80,15 @@ def prepare_batch(groups: list[list[Sample]], estimator: str, reward_key: str | 
     valid = rewards[~torch.isnan(rewards)]
     reward_mean = float(valid.mean()) if valid.numel() else 0.0
     return RolloutBatch(samples, advantages, sum(len(g) for g in groups), skipped, reward_mean)
+
+
+def whiten_advantages(samples: list[Sample], advantages: list[float]) -> list[float]:
+    """``--normalize-advantages``: whiten the per-sample advantages over all loss tokens (a
+    sample weighs as much as its loss tokens, as slime whitens token-level advantages)."""
+    counts = torch.tensor([sum(s.loss_mask) for s in samples])  # [B]
+    per_token = torch.tensor(advantages, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
+    white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
+    return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
 
 
 def split_steps(num_trainable: int, num_input_samples: int, global_batch_size: int | None) -> list[range]:

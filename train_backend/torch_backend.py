@@ -10,6 +10,7 @@ micro-batches under ``--max-tokens-per-micro-batch`` and trained with gradient a
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any, Iterator
 
@@ -20,9 +21,9 @@ from torch import Tensor
 from buffer.sample import Sample
 from train_backend import torch_checkpoint
 from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, pack, plan_micro_batches,
-                                    prepare_batch, split_steps)
+                                    prepare_batch, split_steps, whiten_advantages)
 from train_backend.interfaces import TrainSettings
-from train_backend.losses import LossConfig, LossDenominators, log_probs_from_logits, masked_whiten, rl_loss
+from train_backend.losses import LossConfig, LossDenominators, log_probs_from_logits, rl_loss
 from train_backend.schedule import lr_factor
 
 # Per-token stats of rl_loss that are token means over the step (averaged over optimizer steps).
@@ -39,10 +40,16 @@ class TorchBackend:
 
         self.settings = settings
         self.loss_cfg = LossConfig.from_settings(settings)
-        self.device = torch.device(settings.device)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device(settings.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # one GPU per rank: LOCAL_RANK as torchrun sets it, else the rank modulo the GPUs here
+            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
+            self.device = torch.device("cuda", local)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         torch.manual_seed(settings.seed)
 
         model = AutoModelForCausalLM.from_pretrained(settings.hf_checkpoint, dtype=getattr(torch, settings.dtype))
@@ -162,10 +169,7 @@ class TorchBackend:
             return metrics
         adv = batch.advantages
         if s.normalize_advantages:
-            counts = torch.tensor([sum(x.loss_mask) for x in batch.samples])  # [B]
-            per_token = torch.tensor(adv, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
-            white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
-            adv = white[torch.cumsum(counts, 0) - counts].tolist()  # first token of each sample
+            adv = whiten_advantages(batch.samples, adv)
         norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
         steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
         plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]

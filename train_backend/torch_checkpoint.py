@@ -8,9 +8,11 @@ each rank writes its own shards under FSDP2, and a checkpoint loads onto another
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,6 +43,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def _single_process_ok(backend: "TorchBackend"):
+    """DCP warns on every single-process save/load; that is the intended mode here."""
+    with warnings.catch_warnings():
+        if not backend.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _barrier(backend: "TorchBackend") -> None:
     if backend.distributed:
         dist.barrier()
@@ -50,8 +61,9 @@ def save(backend: "TorchBackend", path: str) -> None:
     """Save model, optimizer, scheduler, step counter and RNG state to directory ``path``."""
     os.makedirs(path, exist_ok=True)
     model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"),
-             no_dist=not backend.distributed)
+    with _single_process_ok(backend):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"),
+                 no_dist=not backend.distributed)
     if backend.rank == 0:
         torch.save(backend.extra_state(), os.path.join(path, "trainer_state.pt"))
     torch.save(_rng_state(), os.path.join(path, f"rng_{backend.rank}.pt"))
@@ -65,7 +77,8 @@ def load(backend: "TorchBackend", path: str) -> None:
         raise RuntimeError(f"{path} is not a torch-backend checkpoint (no dcp/ or trainer_state.pt)")
     model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=not backend.distributed)
+    with _single_process_ok(backend):
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=not backend.distributed)
     set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     backend.load_extra_state(torch.load(state_file, weights_only=False))
