@@ -200,11 +200,11 @@ def _retry(fn, what: str, deadline: float):
             time.sleep(0.2)
 
 
-def produce(name: str, num_puts: int, per_put: int) -> list[int]:
+def produce(name: str, num_puts: int, per_put: int, limit_s: float = DEADLINE_S) -> list[int]:
     """Put ``num_puts`` x ``per_put`` groups; returns the group indices that were acknowledged."""
     import ray
 
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + limit_s
     h = get_buffer(name)
     acked: list[int] = []
     for p in range(num_puts):
@@ -278,3 +278,49 @@ def test_restart_from_disk_in_a_new_actor(ray_local, tmp_path):
     assert [g[0].group_index for g in ray.get(h2.get.remote(3))] == [2, 3, 4]
     with pytest.raises(TimeoutError):
         ray.get(h2.get.remote(1, timeout_s=0.2))
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_times_exactly_once(ray_local, tmp_path):
+    """Like the test above, with a thread SIGKILLing the actor at random moments (slow: ~1 min)."""
+    import random
+    import threading
+
+    ray = ray_local
+    name = "buf-crash-random"
+    h = create_buffer(name, BufferSettings(n_samples_per_prompt=4, capacity=8, persist_dir=str(tmp_path)))
+    num_puts, per_put, per_step = 150, 2, 4
+    producer = ray.remote(num_cpus=0)(produce).remote(name, num_puts, per_put, 3 * DEADLINE_S)
+    deadline = time.monotonic() + 3 * DEADLINE_S
+    stop, kills = threading.Event(), []
+
+    def killer() -> None:
+        rng = random.Random(0)
+        while not stop.wait(rng.uniform(0.3, 1.5)):
+            try:
+                kills.append(_kill(h))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                pass  # restarting right now
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    trained: dict[int, list[int]] = {}
+    step = 1
+    try:
+        while step <= num_puts * per_put // per_step:
+            try:
+                groups = ray.get(h.get.remote(per_step, timeout_s=60, step=step))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                _retry(lambda: ray.get(h.rewind.remote(step - 1)), "rewind", deadline)
+                continue
+            trained[step] = [g[0].group_index for g in groups]
+            _retry(lambda: ray.get(h.commit.remote(step)), "commit", deadline)
+            step += 1
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    acked = ray.get(producer, timeout=3 * DEADLINE_S)
+    flat = [g for s in sorted(trained) for g in trained[s]]
+    print(f"{len(kills)} SIGKILLs")
+    assert len(kills) >= 3
+    assert sorted(flat) == sorted(acked) == list(range(num_puts * per_put))
