@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from buffer.arrow import SCHEMA, groups_to_record_batch, record_batch_to_groups
 from buffer.core import Entry
+from buffer.interfaces import BufferSettings
 
 if TYPE_CHECKING:
     from buffer.core import BufferCore
@@ -157,7 +158,8 @@ def write_generation(directory: Path, core: "BufferCore", fsync: bool) -> list[t
 class SegmentStore:
     """The journal of a persistent buffer (see the module docstring). Single-threaded."""
 
-    def __init__(self, root: str | Path, fsync: bool = False, segment_bytes: int = 64 << 20,
+    def __init__(self, root: str | Path, fsync: bool = BufferSettings.fsync,
+                 segment_bytes: int = BufferSettings.segment_bytes,
                  log_compact_bytes: int = 16 << 20, compact_min_bytes: int = 256 << 20,
                  compact_factor: float = 4.0, lock_wait_s: float = LOCK_WAIT_S) -> None:
         self.root = Path(root)
