@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+
 import ray
 
 from buffer.core import BufferCore
