@@ -132,13 +132,13 @@ def spawn(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 2
 
 
 # ----------------------------------------------------------------------- checks run in ranks
-def check_layouts(ckpt_dirs: dict[str, str], layouts: list[tuple[int, int]]) -> dict[str, Any]:
+def check_layouts(ckpt_dirs: dict[str, str], layouts: list[tuple[int, int]], device: str = "cpu") -> dict[str, Any]:
     """:func:`check_equivalence` for each ``(tp, pp)`` layout in turn, in one job (saves the
     start-up of a process group per layout)."""
-    return {f"tp{tp}pp{pp}": check_equivalence(ckpt_dirs, tp, pp) for tp, pp in layouts}
+    return {f"tp{tp}pp{pp}": check_equivalence(ckpt_dirs, tp, pp, device) for tp, pp in layouts}
 
 
-def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, dict[str, float]]:
+def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int, device_name: str = "cpu") -> dict[str, dict[str, float]]:
     """For each checkpoint: build the model on this layout, load it, compare logits and
     engine-style log-probs with HF, and export(load(ckpt)) with the checkpoint.
 
@@ -151,17 +151,22 @@ def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, 
 
     from train_backend.megatron import checkpoint, cpu_compat, forward, model as mmodel, parallel
 
-    device = torch.device("cpu")
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for a 1e-4 comparison
+        torch.backends.cudnn.allow_tf32 = False
     results: dict[str, dict[str, float]] = {}
-    with cpu_compat.cpu_mode():
+    with cpu_compat.maybe_cpu_mode(device):
         parallel.init_distributed(device)
         parallel.init_parallel_state(tp, pp, seed=1, device=device)
         for arch, path in ckpt_dirs.items():
             cfg = AutoConfig.from_pretrained(path)
             dims = mmodel.dims_from_hf(cfg, 128, tp)
             tcfg = mmodel.transformer_config(dims, params_dtype=torch.float32, tp_size=tp, pp_size=pp,
-                                             sequence_parallel=False, on_cpu=True)
-            model = mmodel.build_gpt_model(dims, tcfg, cfg)
+                                             sequence_parallel=False, on_cpu=device.type == "cpu")
+            model = mmodel.build_gpt_model(dims, tcfg, cfg).to(device)
             checkpoint.load_hf_weights(model, checkpoint.HFCheckpointReader(path), dims)
             model.eval()
             torch.manual_seed(7)
@@ -178,13 +183,13 @@ def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, 
                 out = forward.run_pipeline([model], mbs, loss_fn, forward_only=True)
             res: dict[str, float] = {}
             if parallel_state.is_pipeline_last_stage():
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
                 d_logits = d_lp = 0.0
                 for st in out:
                     for r, (row, n) in enumerate(zip(st["rows"], st["lengths"])):
                         if row < 0:
                             continue
-                        ids = torch.tensor([seqs[row]])
+                        ids = torch.tensor([seqs[row]], device=device)
                         with torch.no_grad():
                             ref = hf(ids).logits[0]  # [n, V]
                         ref_lp = torch.log_softmax(ref[:-1] / temp, -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -195,7 +200,7 @@ def check_equivalence(ckpt_dirs: dict[str, str], tp: int, pp: int) -> dict[str, 
             if torch.distributed.get_rank() == 0:
                 orig = load_file(os.path.join(path, "model.safetensors"))
                 same = sorted(exported) == sorted(orig) and all(
-                    torch.equal(exported[k], orig[k]) and exported[k].dtype == orig[k].dtype for k in orig)
+                    torch.equal(exported[k].cpu(), orig[k]) and exported[k].dtype == orig[k].dtype for k in orig)
                 res["export_equal"] = float(same)
             results[arch] = res
         parallel.destroy_parallel_state()
@@ -253,19 +258,23 @@ def run_megatron(ckpt: str, megatron_kw: dict, steps: int, save_dir: str | None 
     from train_backend.megatron import create_megatron_backend
     from train_backend.megatron.arguments import MegatronSettings
 
-    backend = create_megatron_backend(train_settings(ckpt, **(settings_kw or {})), MegatronSettings(**megatron_kw))
+    settings = train_settings(ckpt, **(settings_kw or {}))
+    if settings.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.backends.cuda.matmul.allow_tf32 = False
+    backend = create_megatron_backend(settings, MegatronSettings(**megatron_kw))
     metrics = []
     for step in range(steps):
         metrics.append(backend.train_step(make_groups(step) if torch.distributed.get_rank() == 0 else None, step))
         if step == 0 and save_dir is not None:
             backend.save(save_dir)
-    out: dict[str, Any] = {"metrics": metrics, "weights": {k: v.clone() for k, v in backend.named_hf_weights()},
+    out: dict[str, Any] = {"metrics": metrics, "weights": {k: v.detach().cpu().clone() for k, v in backend.named_hf_weights()},
                            "logprobs": backend.compute_log_probs([s for g in make_groups(99) for s in g])}
     if save_dir is not None:
         backend.load(save_dir)
         out["replay_metrics"] = [backend.train_step(make_groups(step) if torch.distributed.get_rank() == 0 else None,
                                                     step) for step in range(1, steps)]
-        out["replay_weights"] = {k: v.clone() for k, v in backend.named_hf_weights()}
+        out["replay_weights"] = {k: v.detach().cpu().clone() for k, v in backend.named_hf_weights()}
     if export_dir is not None:
         backend.export_hf(export_dir)
     return out
