@@ -163,14 +163,18 @@ class MegatronBackend:
         mbs[0].extra["packed"].rollout_mask.zero_()
         return mbs
 
-    def _logp(self, mb: forward.MicroBatch, logits: torch.Tensor, with_entropy: bool
+    def _logp(self, mb: forward.MicroBatch, logits: torch.Tensor, with_entropy: bool, entropy_grad: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-token log-probs ``[N]`` (and entropies) from the stage output ``[b, T, Vp/tp]``."""
+        """Response-token log-probs ``[N]`` (and entropies) from the stage output ``[b, T, Vp/tp]``.
+        The entropy keeps its graph only with ``entropy_grad`` (it costs another ``[N, V]`` pass)."""
         packed = mb.extra["packed"]
         flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
         temp = self.settings.rollout_temperature
         logp = forward.flat_log_probs(flat, packed.targets, self.dims.vocab_size, temp)  # [N]
-        ent = forward.flat_entropy(flat, self.dims.vocab_size, temp) if with_entropy else None  # [N]
+        ent = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = forward.flat_entropy(flat if entropy_grad else flat.detach(), self.dims.vocab_size, temp)  # [N]
         return logp, ent
 
     def _forward_only(self, model: torch.nn.Module, mbs: list[forward.MicroBatch]) -> list[torch.Tensor | None]:
@@ -243,9 +247,7 @@ class MegatronBackend:
             def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom
                         ) -> tuple[torch.Tensor, dict]:
                 p = mb.extra["packed"]
-                logp, ent = self._logp(mb, logits, with_entropy=True)
-                if s.entropy_coef == 0:
-                    ent = ent.detach()
+                logp, ent = self._logp(mb, logits, with_entropy=True, entropy_grad=s.entropy_coef != 0)
                 old = mb.extra.get("old_logp")
                 loss, stats = rl_loss(self.loss_cfg, denom, logp, logp.detach() if old is None else old,
                                       p.advantages, p.loss_mask, p.seq_ids, p.num_seqs, entropy=ent,

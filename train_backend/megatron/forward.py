@@ -107,8 +107,8 @@ def masked_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: floa
     n_pad = max(0, min(part, start + part - vocab_size))
     if n_pad:
         # Padding rows are not real tokens: keep them out of the softmax (as HF/the engine do).
-        out = torch.cat([out[..., : part - n_pad],
-                         torch.full_like(out[..., part - n_pad:], float("-inf"))], dim=-1)
+        # In place: ``out`` is a fresh tensor and the division's backward does not need it.
+        out[..., part - n_pad:] = float("-inf")
     return out
 
 
