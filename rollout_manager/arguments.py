@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra flags for each embedded (or instant) engine, as one string")
     g.add_argument("--sglang-router-ip", default=E.sglang_router_ip, help="a running sglang-router")
     g.add_argument("--sglang-router-port", type=int, default=E.sglang_router_port)
+    g.add_argument("--router-policy", default=E.router_policy,
+                   choices=["random", "round_robin", "cache_aware", "power_of_two"],
+                   help="load balancing of the sglang-router started here (cache_aware keeps a prompt's "
+                        "samples on one engine: good for SGLang's prefix cache, uneven on small batches)")
     g.add_argument("--engine-startup-timeout", type=float, default=E.engine_startup_timeout)
     g.add_argument("--health-check-interval", type=float, default=E.health_check_interval)
     g.add_argument("--restart-dead-engines", action=argparse.BooleanOptionalAction, default=E.restart_dead_engines)

@@ -14,6 +14,9 @@ from typing import Any
 import aiohttp
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
 class EngineError(RuntimeError):
     """An engine answered with an HTTP error, or could not be reached."""
 
@@ -54,12 +57,16 @@ class EngineClient:
         url = self.base_url + path
         t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self._timeout
         try:
-            async with self._session.request(method, url, json=payload, timeout=t) as resp:
+            # bytes in, bytes out: serialise once to bytes and parse the body bytes directly (aiohttp's
+            # json= / resp.json() add a str round trip each way; ~25% of the client's CPU per request)
+            data = _dumps_bytes(payload) if payload is not None else None
+            async with self._session.request(method, url, data=data, headers=_JSON if data is not None else None,
+                                             timeout=t) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
                     raise EngineError(url, resp.status, body.decode("utf-8", "replace"))
                 if resp.content_type == "application/json":
-                    return await resp.json(loads=_loads)
+                    return _loads(body)
                 text = body.decode("utf-8", "replace")
                 return text
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -159,8 +166,13 @@ try:  # orjson comes with sglang-router; it is several times faster on token-id 
     def _dumps(obj: Any) -> str:
         return orjson.dumps(obj).decode()
 
+    _dumps_bytes = orjson.dumps
+
     _loads = orjson.loads
 except ImportError:  # pragma: no cover
     import json
 
     _dumps, _loads = json.dumps, json.loads
+
+    def _dumps_bytes(obj: Any) -> bytes:
+        return json.dumps(obj).encode()

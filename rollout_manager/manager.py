@@ -78,7 +78,7 @@ class RolloutManager:
         if e.sglang_router_ip is not None:
             self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
         else:
-            self.router = Router.start(log_path=f"{self.log_dir}/router.log",
+            self.router = Router.start(log_path=f"{self.log_dir}/router.log", policy=e.router_policy,
                                        health_check_interval=e.health_check_interval)
         self.fleet = EngineFleet(self.settings, self.router, self.log_dir)
         try:

@@ -37,6 +37,7 @@ class EngineFleetSettings:
     engine_urls: list[str] = field(default_factory=list)  # running servers: start none
     sglang_router_ip: str | None = None  # a running router: start none
     sglang_router_port: int | None = None
+    router_policy: str = "round_robin"  # sglang-router --policy for a router started here
     sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as CLI tokens
     engine_extra_args: str = ""  # extra flags for embedded/instant engines, e.g. "--max-running-requests 64"
     engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy

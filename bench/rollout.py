@@ -1,0 +1,198 @@
+"""bench/rollout: is the rollout path ever the bottleneck?
+
+(a) Client throughput against an engine that answers at once (``rollout_manager.instant_engine``
+    in its own process), 512 requests in flight: our client (``EngineClient`` on aiohttp + orjson),
+    plain aiohttp, and httpx. Target: >= 3000 requests/s on a 2-core machine.
+(b) The whole manager (router, rewards, grouping) against calling the same engines directly with
+    the same concurrency, on the toy model with the embedded engine, greedy so both do the same
+    work. ``ratio`` = direct time / manager time (medians), target 0.95.
+
+    unshare -n bash -c 'ip link set lo up && exec python bench/rollout.py'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+
+from rollout_manager.engine_client import EngineClient, new_session  # noqa: E402
+from rollout_manager.router import free_port  # noqa: E402
+
+PAYLOAD = {"input_ids": list(range(5, 25)), "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
+           "return_logprob": True}
+
+
+async def _drive(send, total: int, inflight: int) -> tuple[float, float]:
+    """Send ``total`` requests with ``inflight`` workers. Returns (requests/s, requests per second of
+    client CPU time): the second is what the client could sustain on one core of its own, the
+    first is what it got while sharing the machine with the server."""
+    counter = iter(range(total))
+
+    async def worker():
+        for _ in counter:
+            await send()
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(inflight)))
+    return total / (time.perf_counter() - t0), total / (time.process_time() - c0)
+
+
+async def client_throughput(url: str, total: int, inflight: int) -> dict[str, float]:
+    import aiohttp
+    import httpx
+
+    out: dict[str, float] = {}
+    async with EngineClient(url, timeout=60) as c:
+        async def ours():
+            r = await c.generate(input_ids=PAYLOAD["input_ids"], sampling_params=PAYLOAD["sampling_params"])
+            assert len(r["output_ids"]) == 4
+        await _drive(ours, 500, inflight)  # warm-up: connections opened
+        out["ours"], out["ours_per_client_cpu_s"] = await _drive(ours, total, inflight)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def raw():
+            async with s.post(url + "/generate", json=PAYLOAD) as r:
+                await r.json()
+        await _drive(raw, 500, inflight)
+        out["aiohttp_json"], out["aiohttp_json_per_client_cpu_s"] = await _drive(raw, total, inflight)
+    limits = httpx.Limits(max_connections=inflight, max_keepalive_connections=inflight)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as h:
+        async def hx():
+            (await h.post(url + "/generate", json=PAYLOAD)).json()
+        await _drive(hx, inflight, inflight)
+        out["httpx"], out["httpx_per_client_cpu_s"] = await _drive(hx, max(500, total // 5), inflight)
+    return out
+
+
+def part_a(model: Path, total: int, inflight: int, repeats: int) -> dict[str, float]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port),
+                             "--model-path", str(model)], cwd=ROOT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        async def wait_up():
+            async with EngineClient(url) as c:
+                for _ in range(200):
+                    if await c.health(timeout=1):
+                        return
+                    await asyncio.sleep(0.05)
+            raise RuntimeError("instant engine did not start")
+        asyncio.run(wait_up())
+        runs = [asyncio.run(client_throughput(url, total, inflight)) for _ in range(repeats)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+async def _direct(clients: list[EngineClient], prompts: list[list[int]], n: int, max_len: int,
+                  concurrency: int) -> float:
+    """The baseline: the same requests straight to the engines, round-robin, same concurrency."""
+    sem = asyncio.Semaphore(concurrency)
+    params = {"temperature": 0.0, "max_new_tokens": max_len, "no_stop_trim": True}
+
+    async def one(i: int, ids: list[int]):
+        async with sem:
+            r = await clients[i % len(clients)].generate(input_ids=ids, sampling_params=params)
+            return len(r["output_ids"])
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, ids) for i, ids in enumerate(p for p in prompts for _ in range(n))))
+    return time.perf_counter() - t0
+
+
+async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, repeats: int) -> dict[str, float]:
+    from _fixtures_rollout import make_args, toy_argv
+
+    from rollout_manager.manager import RolloutManager
+
+    args, settings = make_args(toy_argv(model, "--rollout-num-engines", str(engines), "--n-samples-per-prompt", str(n),
+                                        "--rollout-batch-size", str(batch), "--rollout-max-response-len", str(max_len),
+                                        "--rollout-temperature", "0", "--sglang-server-concurrency", "64"))
+    m = RolloutManager(settings, args, log_dir=tempfile.mkdtemp(prefix="bench-rollout-"))
+    await m.start()
+    concurrency = settings.sampling.sglang_server_concurrency * engines
+    manager_s, direct_s, via_router_s, tokens = [], [], [], []
+    session = new_session()  # the baseline's connections are pooled and warm too
+    clients = [EngineClient(u, timeout=600, session=session) for u in m.engine_urls]
+    router = [EngineClient(m.router_url, timeout=600, session=session)]  # diagnostic: the router's share
+    try:
+        groups, _ = await m.generate(-1)  # warm-up: engines' first forward passes, connections
+        await _direct(clients, [g[0].tokens[:g[0].prompt_length] for g in groups], n, max_len, concurrency)
+        for k in range(repeats):
+            groups, metrics = await m.generate(k)
+            manager_s.append(metrics["rollout/time_s"])
+            tokens.append(metrics["rollout/response_len_mean"])
+            prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]
+            direct_s.append(await _direct(clients, prompts, n, max_len, concurrency))
+            via_router_s.append(await _direct(router, prompts, n, max_len, concurrency))
+    finally:
+        await session.close()
+        await m.shutdown()
+    return {"manager_s": statistics.median(manager_s), "direct_s": statistics.median(direct_s),
+            "direct_via_router_s": statistics.median(via_router_s),
+            "response_len_mean": statistics.mean(tokens), "requests": batch * n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--total", type=int, default=8000, help="(a) requests per measurement")
+    ap.add_argument("--inflight", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--b-repeats", type=int, default=5)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-len", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rollout.json"))
+    a = ap.parse_args()
+    import make_toy_model
+
+    model = make_toy_model.main(["--out", tempfile.mkdtemp(prefix="bench-toy-") + "/model"])
+    ra = part_a(model, a.total, a.inflight, a.repeats)
+    rb = asyncio.run(part_b(model, a.engines, a.batch, a.n, a.max_len, a.b_repeats))
+    ratio = rb["direct_s"] / rb["manager_s"]
+    print(f"\n(a) client throughput, {a.inflight} in flight, instant engine (median of {a.repeats})")
+    print(f"{'client':<30}{'requests/s':>12}")
+    for k, v in ra.items():
+        print(f"{k:<30}{v:>12.0f}")
+    print(f"target >= 3000 requests/s: ours {ra['ours']:.0f} ({ra['ours'] / 3000:.2f}x); per second of client "
+          f"CPU {ra['ours_per_client_cpu_s']:.0f} ({ra['ours_per_client_cpu_s'] / 3000:.2f}x)")
+    print(f"\n(b) {rb['requests']} requests, {a.engines} embedded engines, greedy, max {a.max_len} tokens "
+          f"(median of {a.b_repeats})")
+    print(f"{'path':<16}{'seconds':>12}")
+    print(f"{'direct':<16}{rb['direct_s']:>12.3f}\n{'manager':<16}{rb['manager_s']:>12.3f}")
+    print(f"{'direct+router':<16}{rb['direct_via_router_s']:>12.3f}  (diagnostic: the same requests through the router)")
+    print(f"ratio direct/manager = {ratio:.3f} (target >= 0.95)")
+    result = {
+        "name": "rollout", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {os.cpu_count()} cores {platform.processor() or platform.machine()}",
+        "command": "unshare -n bash -c 'ip link set lo up && exec python bench/rollout.py'",
+        "metrics": {**{f"a_client_rps_{k}": round(v, 1) for k, v in ra.items()},
+                    "a_target_rps": 3000, "a_ratio_ours_over_target": round(ra["ours"] / 3000, 3),
+                    "a_ratio_ours_client_cpu_over_target": round(ra["ours_per_client_cpu_s"] / 3000, 3),
+                    "a_ratio_ours_over_aiohttp_json": round(ra["ours"] / ra["aiohttp_json"], 3),
+                    "b_direct_s": round(rb["direct_s"], 4), "b_manager_s": round(rb["manager_s"], 4),
+                    "b_direct_via_router_s": round(rb["direct_via_router_s"], 4), "b_max_len": a.max_len,
+                    "b_requests": rb["requests"], "b_response_len_mean": round(rb["response_len_mean"], 2)},
+        "ratio": round(ratio, 4),
+        "target": 0.95,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
