@@ -137,3 +137,22 @@ def test_evaluate(toy_model_dir):
     metrics = asyncio.run(go())
     assert metrics["eval/num_groups"] == 64 and metrics["eval/num_samples"] == 128
     assert metrics["eval/accuracy"] == 0.0 and "eval/tokens_per_s" in metrics
+
+
+def test_hung_engine_is_replaced(toy_model_dir):
+    import os
+    import signal
+
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.3",
+                        "--n-samples-per-prompt", "4", "--rollout-batch-size", "8")
+        async with running_manager(argv) as m:
+            task = asyncio.ensure_future(m.generate(0))
+            await asyncio.sleep(0.1)
+            os.kill(m.fleet.engines[0].process.pid, signal.SIGSTOP)  # alive but not answering
+            groups, metrics = await asyncio.wait_for(task, 60)
+            return groups, metrics, list(m.fleet.events), m.fleet.engines[0].restarts
+    groups, metrics, events, restarts = asyncio.run(go())
+    samples = [s for g in groups for s in g]
+    assert len({s.index for s in samples}) == 32 and all(s.status == Status.COMPLETED for s in samples)
+    assert events[:2] == ["engine 0 removed", "engine 0 restarted"] and restarts == 1
