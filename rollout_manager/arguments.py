@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="engine count when no GPUs are used")
     g.add_argument("--rollout-num-gpus", type=int, default=E.rollout_num_gpus)
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=E.rollout_num_gpus_per_engine)
+    g.add_argument("--rollout-engine-placement", choices=["auto", "local", "ray"], default=E.rollout_engine_placement,
+                   help="local subprocesses, or Ray placement groups (one bundle of GPUs per engine); "
+                        "auto: Ray when --rollout-num-gpus > 0")
     g.add_argument("--engine-urls", nargs="+", default=list(E().engine_urls),
                    help="running SGLang-compatible servers to use instead of starting engines")
     g.add_argument("--engine-extra-args", default=E.engine_extra_args,

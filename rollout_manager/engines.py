@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rollout_manager.engine_client import EngineClient
 from rollout_manager.router import Router, free_port
@@ -44,28 +45,29 @@ class ManagedEngine:
     failures: int = 0
     restarts: int = 0
     registered: bool = False
+    host: Any = None  # the Ray EngineHost actor running it (Ray placement), else None
 
 
-def engine_command(settings: RolloutSettings, index: int, port: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of engine ``index`` listening on ``port``."""
+def engine_command(settings: RolloutSettings, index: int, port: int,
+                   host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+    """The command line of engine ``index`` listening on ``host:port``, and the environment it adds."""
     e = settings.engines
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")  # runnable from any cwd
+    env = {"PYTHONPATH": _REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}  # runnable from any cwd
     model = os.path.abspath(settings.hf_checkpoint or "")
     if e.rollout_engine == "sglang":
         gpus = range(index * e.rollout_num_gpus_per_engine, (index + 1) * e.rollout_num_gpus_per_engine)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # local placement; Ray placement overrides it
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
                "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine), *e.sglang_args]
     elif e.rollout_engine == "instant":
-        cmd = [sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port), "--model-path", model,
-               *shlex.split(e.engine_extra_args)]
+        cmd = [sys.executable, "-m", "rollout_manager.instant_engine", "--host", host, "--port", str(port),
+               "--model-path", model, *shlex.split(e.engine_extra_args)]
     else:
         from rollout_manager.engine.settings import EngineSettings
         if e.rollout_num_gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
         threads = max(1, (os.cpu_count() or 1) // max(1, e.rollout_num_engines))
-        es = EngineSettings(model_path=model, port=port, device="cuda" if e.rollout_num_gpus else "cpu",
+        es = EngineSettings(model_path=model, host=host, port=port, device="cuda" if e.rollout_num_gpus else "cpu",
                             random_seed=settings.seed + index, num_threads=None if e.rollout_num_gpus else threads)
         cmd = [sys.executable, "-m", "rollout_manager.engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
@@ -79,6 +81,7 @@ class EngineFleet:
         self.log_dir = Path(log_dir)
         self.engines: list[ManagedEngine] = []
         self._monitor: asyncio.Task | None = None
+        self._pg: Any = None  # the placement group (Ray placement)
         self.events: list[str] = []  # what the monitor did, for the summary and tests
 
     @property
@@ -106,10 +109,20 @@ class EngineFleet:
             if not self.settings.hf_checkpoint:
                 raise ValueError("--hf-checkpoint is required to start engines")
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            for i in range(self._count()):
-                port = free_port()
-                cmd, env = engine_command(self.settings, i, port)
-                eng = ManagedEngine(i, f"http://127.0.0.1:{port}", cmd, env, log_path=self.log_dir / f"engine_{i}.log")
+            hosts: list = [None] * self._count()
+            if self._use_ray():
+                from rollout_manager.placement import place_engine_hosts
+                gpus = e.rollout_num_gpus_per_engine if e.rollout_num_gpus else 0
+                self._pg, hosts = place_engine_hosts(len(hosts), gpus, e.engine_startup_timeout)
+            for i, host in enumerate(hosts):
+                if host is None:
+                    ip, port = "127.0.0.1", free_port()
+                else:
+                    import ray
+                    ip, port = ray.get([host.node_ip.remote(), host.free_port.remote()], timeout=60)
+                cmd, env = engine_command(self.settings, i, port, ip)
+                eng = ManagedEngine(i, f"http://{ip}:{port}", cmd, env, log_path=self.log_dir / f"engine_{i}.log",
+                                    host=host)
                 self.engines.append(eng)
                 self._spawn(eng)
         try:
@@ -122,11 +135,22 @@ class EngineFleet:
             raise
         self._monitor = asyncio.ensure_future(self._monitor_loop())
 
+    def _use_ray(self) -> bool:
+        placement = self.settings.engines.rollout_engine_placement
+        return placement == "ray" or (placement == "auto" and self.settings.engines.rollout_num_gpus > 0)
+
     def _spawn(self, eng: ManagedEngine) -> None:
         assert eng.cmd is not None and eng.log_path is not None
-        with open(eng.log_path, "ab") as out:
-            eng.process = subprocess.Popen(eng.cmd, env=eng.env, stdout=out, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL)
+        if eng.host is not None:
+            import ray
+
+            from rollout_manager.placement import RayProcess
+            pid = ray.get(eng.host.start.remote(eng.cmd, eng.env or {}, str(eng.log_path)), timeout=60)
+            eng.process = RayProcess(eng.host, pid)
+        else:
+            with open(eng.log_path, "ab") as out:
+                eng.process = subprocess.Popen(eng.cmd, env={**os.environ, **(eng.env or {})}, stdout=out,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.info("engine %d: started pid %d at %s", eng.index, eng.process.pid, eng.url)
 
     async def _wait_healthy(self, eng: ManagedEngine, timeout: float) -> None:
@@ -215,3 +239,7 @@ class EngineFleet:
                 except subprocess.TimeoutExpired:
                     eng.process.kill()
                     eng.process.wait(10)
+        if self._pg is not None:
+            from rollout_manager.placement import release
+            release(self._pg, [eng.host for eng in self.engines if eng.host is not None])
+            self._pg = None

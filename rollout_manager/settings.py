@@ -34,6 +34,7 @@ class EngineFleetSettings:
     rollout_num_engines: int = 1  # engine count when no GPUs are used
     rollout_num_gpus: int = 0  # total GPUs for engines (sglang); 0 = CPU
     rollout_num_gpus_per_engine: int = 1
+    rollout_engine_placement: str = "auto"  # "local" subprocesses, "ray" placement groups, auto: ray on GPUs
     engine_urls: list[str] = field(default_factory=list)  # running servers: start none
     sglang_router_ip: str | None = None  # a running router: start none
     sglang_router_port: int | None = None

@@ -38,3 +38,34 @@ def test_actor_produces_into_buffer(ray_local, toy_model_dir):  # noqa: F811
         ray.get(handle.shutdown.remote(), timeout=60)
         ray.kill(handle)
         ray.kill(buf)
+
+
+def test_engines_in_ray_placement_group(ray_local, toy_model_dir):  # noqa: F811
+    import asyncio
+
+    from _fixtures_rollout import running_manager
+    from ray.util import placement_group_table
+
+    from buffer.sample import Status
+
+    async def go():
+        argv = toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "2",
+                        "--rollout-engine-placement", "ray", "--health-check-interval", "0.5",
+                        "--engine-extra-args", "--delay 0.3", "--n-samples-per-prompt", "2", "--rollout-batch-size", "8")
+        async with running_manager(argv) as m:
+            pg_state = placement_group_table(m.fleet._pg)["state"]
+            task = asyncio.ensure_future(m.generate(0))
+            await asyncio.sleep(0.15)
+            m.fleet.kill(0)  # the process inside the Ray host actor
+            groups, metrics = await asyncio.wait_for(task, 60)
+            for _ in range(300):  # up to 30 s
+                if "engine 0 restarted" in m.fleet.events:
+                    break
+                await asyncio.sleep(0.1)
+            again, _ = await m.generate(1)
+            return pg_state, groups, metrics, again
+    pg_state, groups, metrics, again = asyncio.run(go())
+    assert pg_state == "CREATED"
+    samples = [s for g in groups for s in g]
+    assert len({s.index for s in samples}) == 16 and all(s.status == Status.COMPLETED for s in samples)
+    assert len(again) == 8

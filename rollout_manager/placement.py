@@ -1,0 +1,109 @@
+"""Engines placed with Ray placement groups: one bundle (its GPUs) per engine.
+
+Each engine server runs as a child process of a small ``EngineHost`` actor scheduled into its
+bundle, so Ray decides the node and the GPUs (``CUDA_VISIBLE_DEVICES`` comes from the GPU ids
+Ray assigned to the host). ``RayProcess`` gives the fleet the same ``poll/kill/terminate/wait``
+interface as a local ``subprocess.Popen``, so monitoring and restarts are the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class EngineHost:
+    """Runs one engine server process on the node (and GPUs) of its placement-group bundle."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind((self.node_ip(), 0))
+            return s.getsockname()[1]
+
+    def start(self, cmd: list[str], env: dict[str, str], log_path: str) -> int:
+        env = dict(env)
+        gpu_ids = ray.get_gpu_ids()
+        if gpu_ids:  # the GPUs Ray gave this bundle, not the ones the launcher guessed
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, kind: str) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill() if kind == "kill" else self.proc.terminate()
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class RayProcess:
+    """A ``Popen``-like handle on the process an ``EngineHost`` runs."""
+
+    def __init__(self, host: Any, pid: int):
+        self.host, self.pid, self.returncode = host, pid, None
+
+    def poll(self) -> int | None:
+        self.returncode = ray.get(self.host.poll.remote(), timeout=30)
+        return self.returncode
+
+    def kill(self) -> None:
+        ray.get(self.host.signal.remote("kill"), timeout=30)
+
+    def terminate(self) -> None:
+        ray.get(self.host.signal.remote("terminate"), timeout=30)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = ray.get(self.host.wait.remote(timeout or 10.0), timeout=(timeout or 10.0) + 30)
+        if code is None:
+            raise subprocess.TimeoutExpired("engine", timeout or 10.0)
+        self.returncode = code
+        return code
+
+
+def place_engine_hosts(num_engines: int, gpus_per_engine: int, timeout: float) -> tuple[Any, list[Any]]:
+    """Reserve one bundle per engine (``gpus_per_engine`` GPUs each; 0 on CPU) and start a host in each."""
+    if not ray.is_initialized():
+        raise RuntimeError("--rollout-engine-placement ray needs Ray initialised (ray.init) in this process")
+    # A CPU-only bundle still needs some resource; a sliver of a CPU keeps CPU engines schedulable
+    # next to trainers that take whole cores (the engines' own threads are not Ray-accounted).
+    bundle = {"GPU": gpus_per_engine, "CPU": 1} if gpus_per_engine else {"CPU": 0.01}
+    pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(f"could not place {num_engines} engine(s) of {bundle} within {timeout:.0f}s; "
+                           f"cluster resources: {ray.cluster_resources()}") from None
+    actor = ray.remote(EngineHost)
+    hosts = [actor.options(num_cpus=0, num_gpus=gpus_per_engine or 0,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+             .remote() for i in range(num_engines)]
+    return pg, hosts
+
+
+def release(pg: Any, hosts: list[Any]) -> None:
+    for h in hosts:
+        ray.kill(h)
+    remove_placement_group(pg)
