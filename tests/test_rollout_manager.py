@@ -156,3 +156,34 @@ def test_hung_engine_is_replaced(toy_model_dir):
     samples = [s for g in groups for s in g]
     assert len({s.index for s in samples}) == 32 and all(s.status == Status.COMPLETED for s in samples)
     assert events[:2] == ["engine 0 removed", "engine 0 restarted"] and restarts == 1
+
+
+def test_running_router_and_engine_urls(toy_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from rollout_manager.router import Router, free_port
+
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(p),
+                               "--model-path", str(toy_model_dir)]) for p in ports]
+    router = Router.start(log_path=tmp_path / "router.log")
+
+    async def go():
+        argv = toy_argv(toy_model_dir, "--engine-urls", *[f"127.0.0.1:{p}" for p in ports],
+                        "--sglang-router-ip", router.host, "--sglang-router-port", str(router.port),
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "4")
+        async with running_manager(argv) as m:
+            groups, _ = await m.generate(0)
+            workers = await router.list_workers()
+            return groups, workers, m.args
+    try:
+        groups, workers, args = asyncio.run(go())
+    finally:
+        router.stop()
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    assert len(groups) == 4
+    assert sorted(w["url"] for w in workers) == sorted(f"http://127.0.0.1:{p}" for p in ports)
+    assert (args.sglang_router_ip, args.sglang_router_port) == (router.host, router.port)

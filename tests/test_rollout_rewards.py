@@ -128,3 +128,34 @@ def test_filter_drops_equal_rewards():
     assert check_reward_nonzero_std(args, g)
     g[0].reward = g[1].reward = None  # failed samples: one scored sample left is not a spread
     assert not check_reward_nonzero_std(args, g)
+
+
+def test_remote_reward_model():
+    from aiohttp import web
+
+    from rollout_manager.router import free_port
+
+    async def handler(request):
+        body = await request.json()
+        if body["response"] == "bad":
+            return web.Response(status=500, text="model exploded")
+        return web.json_response({"reward": 1.0 if body["response"].strip() == body["label"] else 0.0})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/rm", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            url = f"http://127.0.0.1:{port}/rm"
+            r = Rewarder(PluginSettings(rm_url=url), argparse.Namespace(rm_url=url))
+            samples = [_s("19", index=0), _s("7", index=1), _s("bad", index=2)]
+            await asyncio.gather(*(r.score(s) for s in samples))
+            return samples
+        finally:
+            await runner.cleanup()
+    samples = run(go())
+    assert [s.reward for s in samples] == [1.0, 0.0, None]
+    assert samples[2].status == Status.FAILED and samples[2].metadata["failure_reason"] == "reward: RuntimeError"
