@@ -24,7 +24,7 @@ def _batches(groups):
 
 def _settings(model_dir):
     # adam_eps >> |grad|: Adam's update ~ lr * grad, so round-off differences stay round-off
-    return settings(model_dir, use_kl_loss=True, kl_coef=0.05, global_batch_size=16, lr=0.3, adam_eps=1.0,
+    return settings(model_dir, use_kl_loss=True, kl_coef=0.05, global_batch_size=8, lr=0.3, adam_eps=1.0,
                     max_tokens_per_micro_batch=12)
 
 
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, store: str, model_dir: str, groups_file: str,
 def test_fsdp2_two_ranks_match_one_process(toy_model_dir, tmp_path):
     from train_backend import create_backend
 
-    groups = make_groups(toy_model_dir, num_groups=4, group_size=8, logp_noise=0.05)
+    groups = make_groups(toy_model_dir, num_groups=2, group_size=8, logp_noise=0.05)
     torch.save(groups, tmp_path / "groups.pt")
     out = tmp_path / "result.pt"
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(toy_model_dir), str(tmp_path / "groups.pt"), str(out)),

@@ -162,6 +162,7 @@ class PackedMicroBatch:
     rollout_logp: Tensor  # [N] engine log-probs (0 where missing)
     rollout_mask: Tensor  # [N] 1 where the engine reported a log-prob
     response_lengths: list[int]  # per sequence, to split [N] back into sequences
+    num_tokens: int = 0  # real (non-padding) tokens in the rows
 
     @property
     def num_seqs(self) -> int:
@@ -232,4 +233,5 @@ def pack(samples: list[Sample], advantages: list[float] | None = None, row_len: 
         rollout_logp=torch.tensor(rollout, dtype=torch.float32),  # [N]
         rollout_mask=torch.repeat_interleave(torch.tensor(have, dtype=torch.float32), counts),  # [N]
         response_lengths=rl,
+        num_tokens=sum(lengths),
     )

@@ -239,8 +239,9 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
 
     All per-token inputs are ``[N]``. ``rollout_logp`` (with ``rollout_mask`` = 1 where the engine
     reported a log-prob) feeds TIS and the train/rollout mismatch metric. Returns ``(loss, stats)``;
-    every stat is already divided by the step's denominators, so stats also sum over micro-batches
-    and data-parallel ranks (token metrics are token means over the step).
+    every stat sums over micro-batches and data-parallel ranks: ``loss``/``pg_loss`` and the token
+    metrics are already divided by the step's denominators, while ``train_rollout_logp_abs_diff``
+    and ``train_rollout_kl`` are raw sums over ``_rollout_tokens`` tokens (the caller divides).
     """
     m = loss_mask.to(logp.dtype)  # [N]
     tok = max(denom.num_tokens, 1.0)

@@ -203,7 +203,7 @@ class TorchBackend:
                 (loss * self.world_size).backward()
                 for name, v in stats.items():
                     sums[name] = sums.get(name, torch.zeros((), device=self.device)) + v.detach().float()
-                tokens += int(mb.input_ids.numel()) if mb.loss_mask.any() else 0
+                tokens += mb.num_tokens if mb.loss_mask.any() else 0  # zero-weight fillers do not count
             grad_norms.append(self._optimizer_step(step, k))
         metrics.update(self._reduce(sums, len(steps), tokens))
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
