@@ -263,7 +263,7 @@ def test_info_endpoints(engine_url, engine_model):
                     await c.get_weight_version(), await c.flush_cache(), await c.request("GET", "/v1/models"))
 
     health, hgen, mi, si, mi2, si2, wv, flushed, models = run(go())
-    assert health and hgen and wv == "default" and "flushed" in flushed
+    assert health and hgen and wv == mi["weight_version"] and "flushed" in flushed
     assert mi == mi2 and mi["is_generation"] and mi["model_path"] == str(engine_model.resolve())
     assert AutoTokenizer.from_pretrained(mi["model_path"]).vocab_size > 0
     assert si["model_path"] == mi["model_path"] and si2["port"] == si["port"] and si["context_length"] == 256

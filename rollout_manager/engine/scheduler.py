@@ -74,6 +74,7 @@ class Scheduler:
         self._row_params: RowParams | None = None
         self._n_running = 0
         self.steps = 0  # decode steps run
+        self.prefills = 0  # prefill forwards run
         self.finished = 0  # requests finished (any reason)
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -205,6 +206,7 @@ class Scheduler:
         runner = self.runner
         if admit:
             logits, new = runner.prefill([r.prompt_ids for r in admit])
+            self.prefills += 1
             rp = build_row_params([r.params for r in admit], [r.generator for r in admit],
                                   logits.shape[-1], runner.device)
             tokens, lps = sample(logits, rp, self._shared_gen)

@@ -241,7 +241,7 @@ class Engine:
                   "served_model_name": self.settings.served_model_name or self.model_path,
                   "version": VERSION, "status": "ready",
                   "internal_states": [{"weight_version": self.scheduler.weight_version,
-                                       "decode_steps": self.scheduler.steps,
+                                       "decode_steps": self.scheduler.steps, "prefills": self.scheduler.prefills,
                                        "finished_reqs": self.scheduler.finished, **self.scheduler.load()}]})
         return _json(s)
 
