@@ -173,7 +173,7 @@ def main() -> None:
           f"(median of {a.b_repeats})")
     print(f"{'path':<16}{'seconds':>12}")
     print(f"{'direct':<16}{rb['direct_s']:>12.3f}\n{'manager':<16}{rb['manager_s']:>12.3f}")
-    print(f"{'direct+router':<16}{rb['direct_via_router_s']:>12.3f}  (diagnostic: the same requests through the router)")
+    print(f"{'direct+router':<16}{rb['direct_via_router_s']:>12.3f}  (diagnostic: same requests via the router)")
     print(f"ratio direct/manager = {ratio:.3f} (target >= 0.95)")
     result = {
         "name": "rollout", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

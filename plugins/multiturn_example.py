@@ -74,7 +74,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
             sample.status = Status.TRUNCATED
             return sample
         async with ctx.semaphore:  # engine errors propagate: the manager marks the sample failed
-            out = await ctx.client.generate(input_ids=sample.tokens, sampling_params={**params, "max_new_tokens": remaining},
+            out = await ctx.client.generate(input_ids=sample.tokens,
+                                            sampling_params={**params, "max_new_tokens": remaining},
                                             return_logprob=True, timeout=ctx.settings.sampling.request_timeout)
         meta = out["meta_info"]
         ids = list(out["output_ids"])

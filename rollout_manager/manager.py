@@ -19,14 +19,13 @@ from typing import Any, Callable
 from buffer.sample import Sample
 from plugins.loader import load_function
 from rollout_manager.data_source import DataReport, DataSource, load_prompts
-from rollout_manager.engine_client import EngineClient, new_session
+from rollout_manager.engine_client import EngineClient
 from rollout_manager.engines import EngineFleet
-from rollout_manager.generate import RolloutContext, generate as default_generate, reset_sample, set_context
+from rollout_manager.generate import RolloutContext, StepState, generate as default_generate, reset_sample, set_context
 from rollout_manager.rewards import Rewarder
 from rollout_manager.rollout import abort_requests, generate_rollout as default_generate_rollout, run_rollout
 from rollout_manager.router import Router
 from rollout_manager.settings import RolloutSettings
-from rollout_manager.generate import StepState
 from rollout_manager.summary import rollout_metrics
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class RolloutManager:
         # slime's contract: custom generate/rollout functions find the router in args
         self.args.sglang_router_ip, self.args.sglang_router_port = self.router.host, self.router.port
         s = self.settings.sampling
-        self._client = EngineClient(self.router.url, timeout=s.request_timeout, session=new_session())
+        self._client = EngineClient(self.router.url, timeout=s.request_timeout)
         self.ctx = RolloutContext(
             settings=self.settings, args=self.args, client=self._client, engine_urls=lambda: self.fleet.urls,
             semaphore=asyncio.Semaphore(s.sglang_server_concurrency * len(self.fleet.engines)),
@@ -118,7 +117,7 @@ class RolloutManager:
         if self.router is not None:
             self.router.stop()
         if self._client is not None:
-            await self._client._session.close()
+            await self._client.close()
         self.ctx = None
 
     # --- generation ----------------------------------------------------------------------
@@ -165,6 +164,14 @@ class RolloutManager:
                     reset_sample(s)
             self.data_source.add_samples(returned)
         groups, metrics = await self.generate(rollout_id)
+        # A sample that failed before any engine answered has no weight version, which the buffer's
+        # contract requires: such groups are counted (failures by reason) and not pushed.
+        unversioned = [g for g in groups if any(not s.weight_versions for s in g)]
+        if unversioned:
+            log.warning("rollout %d: %d group(s) with samples that never reached an engine are not pushed",
+                        rollout_id, len(unversioned))
+            groups = [g for g in groups if all(s.weight_versions for s in g)]
+        metrics["rollout/groups_not_pushed"] = float(len(unversioned))
         import ray
 
         put_id = f"rollout-{rollout_id}"  # the same id on a retry: the buffer stores it once

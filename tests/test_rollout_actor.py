@@ -51,7 +51,8 @@ def test_engines_in_ray_placement_group(ray_local, toy_model_dir):  # noqa: F811
     async def go():
         argv = toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "2",
                         "--rollout-engine-placement", "ray", "--health-check-interval", "0.5",
-                        "--engine-extra-args", "--delay 0.3", "--n-samples-per-prompt", "2", "--rollout-batch-size", "8")
+                        "--engine-extra-args", "--delay 0.3", "--n-samples-per-prompt", "2",
+                        "--rollout-batch-size", "8")
         async with running_manager(argv) as m:
             pg_state = placement_group_table(m.fleet._pg)["state"]
             task = asyncio.ensure_future(m.generate(0))

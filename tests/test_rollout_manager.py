@@ -59,7 +59,8 @@ def test_over_sampling_with_dynamic_filter(toy_model_dir):
 
 def test_wind_down_returns_unfinished_groups_partial(toy_model_dir):
     async def go():
-        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.02 --delay-jitter 1.5 --num-tokens 8",
+        argv = toy_argv(toy_model_dir, *INSTANT,
+                        "--engine-extra-args", "--delay 0.02 --delay-jitter 1.5 --num-tokens 8",
                         "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", "--over-sampling-batch-size", "8",
                         "--partial-rollout")
         async with running_manager(argv) as m:
