@@ -74,7 +74,8 @@ async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, flo
         import ray
 
         from buffer.interfaces import NAMESPACE, get_buffer
-        ray.init(address=cli.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        if not ray.is_initialized():  # (a caller that already joined a cluster keeps it)
+            ray.init(address=cli.ray_address, namespace=NAMESPACE, log_to_driver=False)
         buffer_handle = get_buffer(cli.buffer)
     await manager.start()
     print(f"engines: {manager.engine_urls} behind router {manager.router_url}")

@@ -70,3 +70,18 @@ def test_engines_in_ray_placement_group(ray_local, toy_model_dir):  # noqa: F811
     samples = [s for g in groups for s in g]
     assert len({s.index for s in samples}) == 16 and all(s.status == Status.COMPLETED for s in samples)
     assert len(again) == 8
+
+
+def test_cli_pushes_into_a_running_buffer(ray_local, toy_model_dir, capsys):  # noqa: F811
+    from buffer.interfaces import NAMESPACE
+    from rollout_manager.__main__ import main
+
+    buf = create_buffer("rollout-cli-test", BufferSettings(n_samples_per_prompt=2, capacity=100), namespace=NAMESPACE)
+    try:
+        metrics = main(toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "1",
+                                "--n-samples-per-prompt", "2", "--rollout-batch-size", "3", "--num-rollout", "2",
+                                "--buffer", "rollout-cli-test"))
+        assert ray_local.get(buf.size.remote()) == 6 and metrics["rollout/num_groups"] == 6
+        assert "rollout/reward_mean" in capsys.readouterr().out
+    finally:
+        ray_local.kill(buf)
