@@ -102,17 +102,23 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any, ev
     chunk = (s.over_sampling_batch_size or s.rollout_batch_size) if not evaluation else 1 << 30
     kept: list[list[Sample]] = []
     pending: set[asyncio.Task] = set()
+    finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
     t0 = time.perf_counter()
     try:
         while target is None or len(kept) < target:
             if (len(kept) + len(pending) < target) if target is not None else not data_source.exhausted:
                 for g in data_source.get_samples(chunk):
-                    pending.add(asyncio.ensure_future(process_group(ctx, g, params, evaluation)))
+                    task = asyncio.ensure_future(process_group(ctx, g, params, evaluation))
+                    task.add_done_callback(finished.put_nowait)
+                    pending.add(task)
             if not pending:
                 if target is not None:
                     log.warning("rollout %d: prompts exhausted with %d/%d groups", rollout_id, len(kept), target)
                 break
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            # one finished group at a time from a queue: O(1) each (asyncio.wait over the pending set
+            # is O(pending) per call, quadratic over a large step)
+            done = [await finished.get()]
+            pending.difference_update(done)
             for t in done:
                 group, keep = t.result()
                 if keep:
@@ -126,10 +132,6 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any, ev
                             f"{s.max_dropped_ratio}); check the filter and the rewards")
                 if on_group is not None:
                     on_group(group, keep)
-        if target is not None and len(kept) > target:  # several groups finished at once: keep the rest for later
-            data_source.add_samples(kept[target:])
-            step.stats.returned_groups += len(kept) - target
-            kept = kept[:target]
         if pending:
             await _wind_down(ctx, step, pending, data_source)
     except Exception:
