@@ -43,3 +43,14 @@ async def running_manager(argv: list[str], log_dir: str | None = None) -> AsyncI
 async def parity_rm(args, sample) -> float:
     """Even groups get mixed rewards (1 for even sample indices), odd groups all zeros."""
     return 1.0 if sample.group_index % 2 == 0 and sample.index % 2 == 0 else 0.0
+
+
+def wrapped_rollout(args, rollout_id, data_source, evaluation=False):
+    """A slime-style (blocking) rollout function that reuses the default one and tags its groups."""
+    from rollout_manager.rollout import generate_rollout
+
+    groups = generate_rollout(args, rollout_id, data_source, evaluation)
+    for g in groups:
+        for s in g:
+            s.metadata["wrapped"] = rollout_id
+    return groups

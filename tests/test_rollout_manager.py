@@ -188,3 +188,14 @@ def test_running_router_and_engine_urls(toy_model_dir, tmp_path):
     assert len(groups) == 4
     assert sorted(w["url"] for w in workers) == sorted(f"http://127.0.0.1:{p}" for p in ports)
     assert (args.sglang_router_ip, args.sglang_router_port) == (router.host, router.port)
+
+
+def test_custom_rollout_function_slime_style(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--rollout-function-path", "_fixtures_rollout.wrapped_rollout",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "3")
+        async with running_manager(argv) as m:
+            return await m.generate(7)
+    groups, metrics = asyncio.run(go())
+    assert len(groups) == 3 and all(s.metadata["wrapped"] == 7 for g in groups for s in g)
+    assert metrics["rollout/num_samples"] == 6 and metrics["rollout/reward_mean"] == 0.0
