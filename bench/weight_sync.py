@@ -98,87 +98,102 @@ def start_engine(model: Path, device: str, port: int, timeout: float = 600.0) ->
     raise RuntimeError(f"engine did not answer /health within {timeout}s")
 
 
-def bench_push(named, model: Path, args, port: int) -> dict:
+def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
+    """Time pushes to one engine and bare broadcasts to a plain receiver, interleaved.
+
+    Interleaving (bare bucketed, bare single, then one push per variant, ``repeats`` times after a
+    warm-up round) exposes both to the same background load, so their medians compare fairly on
+    a shared machine. Returns medians per variant and for the bare broadcasts.
+    """
+    from weight_sync._loop import free_port
     from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.process_group import init_weight_update_group
     from weight_sync.sender import WeightSender
 
-    proc = start_engine(model, args.engine_device, port)
-    try:
-        s = WeightSyncSettings(backend="nccl" if args.device == "cuda" else "gloo", bucket_bytes=args.bucket_bytes,
-                               load_format=args.load_format, timeout_s=300.0)
-        with WeightSender(s) as sender:
-            sender.connect([f"http://127.0.0.1:{port}"])
-            sender.push(named, version=1)  # warm-up: communicator set-up, allocator, page faults
-            runs = [sender.push(named, version=2 + i) for i in range(args.repeats)]
-            sender.settings.check_equal = True  # the pushes above really land: check one of them
-            checked = sender.push(named, version=2 + args.repeats)
-        times = [r["weight_sync/time_s"] for r in runs]
-        return {"push_s": statistics.median(times), "push_s_all": times,
-                "transfer_s": statistics.median(r["weight_sync/transfer_s"] for r in runs),
-                "pause_s": statistics.median(r["weight_sync/pause_s"] for r in runs),
-                "continue_s": statistics.median(r["weight_sync/continue_s"] for r in runs),
-                "num_buckets": runs[0]["weight_sync/num_buckets"], "checked_equal_s": checked["weight_sync/check_s"]}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def bench_bare(bucket_numels: list[int], args, port: int) -> dict:
-    """Rank 0 here, rank 1 a plain receiver process on the engine device: bucketed and one-shot."""
-    from weight_sync._loop import free_port
-    from weight_sync.process_group import init_weight_update_group
-
-    plan = {"buckets": bucket_numels, "repeats": args.repeats + 1}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(plan, f)
     port = free_port()
-    recv = subprocess.Popen([sys.executable, __file__, "--bare-receiver", f.name, "--port", str(port),
+    proc = start_engine(model, args.engine_device, port)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dev = torch.device(args.trainer_device)
+    rounds = args.repeats + 1  # the first round is a warm-up (communicators, allocators, page faults)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"buckets": bucket_numels, "rounds": rounds}, f)
+    bare_port = free_port()
+    recv = subprocess.Popen([sys.executable, __file__, "--bare-receiver", f.name, "--port", str(bare_port),
                              "--engine-device", args.engine_device, "--device", args.device], cwd=ROOT)
+    senders = []
     try:
-        backend = "nccl" if args.device == "cuda" else "gloo"
-        dev = torch.device(args.trainer_device)
-        grp = init_weight_update_group(backend, "127.0.0.1", port, 0, 2, "bare", 300.0,
+        grp = init_weight_update_group(backend, "127.0.0.1", bare_port, 0, 2, "bare", 300.0,
                                        dev if backend == "nccl" else None)
-        out = {}
-        for mode, sizes in (("bucketed", bucket_numels), ("single", [sum(bucket_numels)])):
-            bufs = [torch.ones(n, dtype=torch.bfloat16, device=dev) for n in sizes]  # [n]
-            times = []
-            for _ in range(plan["repeats"]):
+        for fmt, bucket in args.variants:
+            snd = WeightSender(WeightSyncSettings(backend=backend, bucket_bytes=bucket, load_format=fmt,
+                                                  timeout_s=300.0, group_name=f"bench_{fmt}_{bucket}"))
+            snd.connect([f"http://127.0.0.1:{port}"])
+            senders.append(snd)
+        bare_bufs = {"bucketed": [torch.ones(n, dtype=torch.bfloat16, device=dev) for n in bucket_numels],  # [n]
+                     "single": [torch.ones(sum(bucket_numels), dtype=torch.bfloat16, device=dev)]}  # [N]
+        bare_t: dict[str, list[float]] = {"bucketed": [], "single": []}
+        runs: list[list[dict]] = [[] for _ in senders]
+        version = 0
+        for r in range(rounds):
+            for mode in ("bucketed", "single"):
                 _sync(dev)
                 t = time.perf_counter()
-                for b in bufs:
+                for b in bare_bufs[mode]:
                     grp.broadcast(b)
                 _sync(dev)
-                times.append(time.perf_counter() - t)
-            out[mode] = statistics.median(times[1:])  # the first is a warm-up
-            del bufs
+                if r:
+                    bare_t[mode].append(time.perf_counter() - t)
+            for k, snd in enumerate(senders):
+                version += 1
+                m = snd.push(named, version=version)
+                if r:
+                    runs[k].append(m)
+        del bare_bufs
         grp.destroy()
+        out = {"bare_bucketed_s": statistics.median(bare_t["bucketed"]),
+               "bare_single_s": statistics.median(bare_t["single"]), "variants": {}}
+        for (fmt, bucket), snd, rs in zip(args.variants, senders, runs):
+            snd.settings.check_equal = True  # the timed pushes really land: check one more
+            version += 1
+            checked = snd.push(named, version=version)
+            med = {k.removeprefix("weight_sync/"): statistics.median(x[k] for x in rs)
+                   for k in ("weight_sync/time_s", "weight_sync/transfer_s", "weight_sync/pause_s",
+                             "weight_sync/continue_s")}
+            out["variants"][f"{fmt}:{bucket}"] = {
+                "push_s": med["time_s"], "push_s_all": [x["weight_sync/time_s"] for x in rs],
+                "transfer_s": med["transfer_s"], "pause_s": med["pause_s"], "continue_s": med["continue_s"],
+                "num_buckets": rs[0]["weight_sync/num_buckets"], "check_s": checked["weight_sync/check_s"]}
         if recv.wait(120) != 0:
             raise RuntimeError(f"bare receiver exited with {recv.returncode}")
         return out
     finally:
-        if recv.poll() is None:
-            recv.kill()
+        for snd in senders:
+            snd.close()
+        for p in (proc, recv):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         os.unlink(f.name)
 
 
 def bare_receiver(plan_file: str, port: int, device: str, backend: str) -> None:
+    """Rank 1 of the bare broadcast: receives what ``bench_set`` sends, into preallocated buffers."""
     from weight_sync.process_group import init_weight_update_group
 
     plan = json.loads(Path(plan_file).read_text())
     dev = torch.device(device)
     grp = init_weight_update_group(backend, "127.0.0.1", port, 1, 2, "bare", 300.0, dev if backend == "nccl" else None)
-    for sizes in (plan["buckets"], [sum(plan["buckets"])]):
-        bufs = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes]  # [n]
-        for _ in range(plan["repeats"]):
-            for b in bufs:
+    bufs = {"bucketed": [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in plan["buckets"]],  # [n]
+            "single": [torch.empty(sum(plan["buckets"]), dtype=torch.bfloat16, device=dev)]}  # [N]
+    for _ in range(plan["rounds"]):
+        for mode in ("bucketed", "single"):
+            for b in bufs[mode]:
                 grp.broadcast(b)
-        _sync(dev)
-        del bufs
+    _sync(dev)
     grp.destroy()
 
 
@@ -193,7 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sets", nargs="+", default=None, help=f"weight sets of {list(SETS)} (default: per device)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-bytes", type=int, default=None, help="default: WeightSyncSettings.bucket_bytes")
-    ap.add_argument("--load-format", default="flattened_bucket", choices=["flattened_bucket", "tensor"])
+    ap.add_argument("--load-format", default=None, choices=["flattened_bucket", "tensor"],
+                    help="default: WeightSyncSettings.load_format")
+    ap.add_argument("--extra-variants", nargs="*", default=[],
+                    help="more LOAD_FORMAT:BUCKET_BYTES pushes timed on the same engine (not in the ratio)")
     ap.add_argument("--trainer-device", default=None, help="default: cpu, or cuda:0")
     ap.add_argument("--engine-device", default=None, help="default: cpu, or cuda:1")
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
@@ -207,12 +225,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.bare_receiver:
         bare_receiver(args.bare_receiver, args.port, args.engine_device, "nccl" if cuda else "gloo")
         return {}
-    from weight_sync._loop import free_port
     from weight_sync.interfaces import TensorSpec, WeightSyncSettings
     from weight_sync.plan import plan_buckets
 
     if args.bucket_bytes is None:
         args.bucket_bytes = WeightSyncSettings.bucket_bytes
+    args.load_format = args.load_format or WeightSyncSettings.load_format
+    args.variants = [(args.load_format, args.bucket_bytes)]
+    for v in args.extra_variants:
+        fmt, _, b = v.partition(":")
+        args.variants.append((fmt, int(b)))
     sets = args.sets or (["0.5B", "1.5B", "7B"] if cuda else ["64MiB", "256MiB"])
     if cuda:
         torch.cuda.set_device(torch.device(args.trainer_device))
@@ -225,35 +247,47 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{name}] checkpoint written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         buckets = plan_buckets([TensorSpec.of(n, x) for n, x in named], args.bucket_bytes)
-        push = bench_push(named, model, args, free_port())
-        bare = bench_bare([b.nbytes // 2 for b in buckets], args, free_port())
+        res = bench_set(named, model, [b.nbytes // 2 for b in buckets], args)
+        bare = {"bucketed": res["bare_bucketed_s"], "single": res["bare_single_s"]}
+        pushes = res["variants"]
         ceiling = min(bare["bucketed"], bare["single"])
-        m = {"bytes": nbytes, "num_buckets": len(buckets), "push_s": push["push_s"],
-             "push_gib_s": nbytes / GiB / push["push_s"], "transfer_s": push["transfer_s"],
-             "pause_s": push["pause_s"], "continue_s": push["continue_s"],
+        variants = {}
+        for key, p in pushes.items():
+            variants[key] = {**p, "push_gib_s": nbytes / GiB / p["push_s"], "ratio": ceiling / p["push_s"]}
+        head = variants[f"{args.variants[0][0]}:{args.variants[0][1]}"]
+        m = {"bytes": nbytes, "num_buckets": len(buckets), "push_s": head["push_s"], "push_gib_s": head["push_gib_s"],
+             "transfer_s": head["transfer_s"], "pause_s": head["pause_s"], "continue_s": head["continue_s"],
              "bare_bucketed_s": bare["bucketed"], "bare_single_s": bare["single"],
-             "ceiling_gib_s": nbytes / GiB / ceiling, "ratio": ceiling / push["push_s"],
-             "push_s_all": push["push_s_all"], "checked_equal": True}
+             "ceiling_gib_s": nbytes / GiB / ceiling, "ratio": head["ratio"], "checked_equal": True,
+             "variants": variants}
         metrics[name] = m
-        rows.append((name, nbytes / GiB, len(buckets), push["push_s"] * 1e3, m["push_gib_s"],
-                     bare["bucketed"] * 1e3, bare["single"] * 1e3, m["ceiling_gib_s"], m["ratio"]))
+        for key, v in variants.items():
+            rows.append((name, key, nbytes / GiB, int(v["num_buckets"]), v["push_s"] * 1e3, v["push_gib_s"],
+                         bare["bucketed"] * 1e3, bare["single"] * 1e3, m["ceiling_gib_s"], v["ratio"]))
         shutil_rmtree(work / name)
         del named
-    print(f"\n{'set':>8} {'GiB':>7} {'bkts':>5} {'push ms':>9} {'push GiB/s':>11} {'bare bkt ms':>12} "
-          f"{'bare 1 ms':>10} {'ceil GiB/s':>11} {'ratio':>6}")
+        result = _write(args, argv, metrics, rows)  # after every set: a cut-short run keeps what it measured
+    print(f"ratio {result['ratio']} (target {result['target']}); wrote {args.out}")
+    return result
+
+
+def _write(args, argv, metrics: dict, rows: list) -> dict:
+    print(f"\n{'set':>7} {'variant':>28} {'GiB':>7} {'bkts':>5} {'push ms':>9} {'push GiB/s':>11} "
+          f"{'bare bkt ms':>12} {'bare 1 ms':>10} {'ceil GiB/s':>11} {'ratio':>6}")
     for r in rows:
-        print(f"{r[0]:>8} {r[1]:7.3f} {r[2]:5d} {r[3]:9.1f} {r[4]:11.2f} {r[5]:12.1f} {r[6]:10.1f} {r[7]:11.2f} "
-              f"{r[8]:6.3f}")
+        print(f"{r[0]:>7} {r[1]:>28} {r[2]:7.3f} {r[3]:5d} {r[4]:9.1f} {r[5]:11.2f} {r[6]:12.1f} {r[7]:10.1f} "
+              f"{r[8]:11.2f} {r[9]:6.3f}")
     targeted = [metrics[s]["ratio"] for s in TARGETED[args.device] if s in metrics]
+    cuda = args.device == "cuda"
     result = {"name": "weight_sync", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": _machine(args), "command": "python bench/weight_sync.py " + " ".join(argv or sys.argv[1:]),
               "metrics": {"device": args.device, "backend": "nccl" if cuda else "gloo",
                           "bucket_bytes": args.bucket_bytes, "load_format": args.load_format,
-                          "repeats": args.repeats, "sets": metrics},
+                          "repeats": args.repeats, "variants": [f"{f}:{b}" for f, b in args.variants],
+                          "sets": metrics},
               "ratio": min(targeted) if targeted else None, "target": 0.85}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"ratio {result['ratio']} (target {result['target']}); wrote {args.out}")
     return result
 
 

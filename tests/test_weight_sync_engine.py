@@ -33,10 +33,17 @@ def _version(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines(ws_toy_model):  # noqa: F811
+def procs(ws_toy_model):  # noqa: F811
+    """Two engines for the whole module, as a mutable list of (Popen, url): the failure tests at
+    the end kill, restart and stop them (starting engines is the slow part of these tests)."""
     es = start_engines(ws_toy_model, 2)
-    yield [u for _, u in es]
+    yield es
     stop_engines(es)
+
+
+@pytest.fixture
+def engines(procs):
+    return [u for _, u in procs]
 
 
 def test_push_lands_everywhere_and_serves_the_new_weights(engines, ws_toy_model):  # noqa: F811
@@ -113,75 +120,6 @@ def test_mismatch_is_refused_before_anything_is_sent(engines, ws_toy_model):  # 
     assert [_version(u) for u in engines] == ["7", "7"]
 
 
-def test_engine_killed_mid_push_then_resynced(ws_toy_model):  # noqa: F811
-    es = start_engines(ws_toy_model, 2)
-    urls = [u for _, u in es]
-    try:
-        s = WeightSyncSettings(bucket_bytes=32 * 1024, check_equal=True, timeout_s=20)
-        with WeightSender(s) as sender:
-            sender.connect(urls)
-            w1 = perturbed_model(ws_toy_model, 1.25)
-
-            def kill_after_first(done: int, total: int) -> None:
-                if done == 1 and es[1][0].poll() is None:
-                    es[1][0].kill()
-                    es[1][0].wait()
-
-            t = time.monotonic()
-            m = sender.push(w1.named_parameters(), version=1, progress=kill_after_first)
-            assert time.monotonic() - t < s.timeout_s
-            assert m["weight_sync/attempts"] == 2 and m["weight_sync/engines"] == 1  # redone on the survivor
-            st = sender.engine_status()
-            assert st[urls[0]]["alive"] and st[urls[0]]["version"] == 1
-            assert not st[urls[1]]["alive"] and st[urls[1]]["version"] is None
-            assert _version(urls[0]) == "1"
-            # The dead engine comes back (same address) and is re-synced to the current version.
-            port = int(urls[1].rsplit(":", 1)[1])
-            es[1] = start_engines(ws_toy_model, 1, ports=[port])[0]
-            assert sender.resync(urls[1], w1.named_parameters())["weight_sync/resync_s"] > 0
-            assert _version(urls[1]) == "1" and sender.engine_status()[urls[1]]["alive"]
-            # Next push goes to both through a rebuilt group.
-            w2 = perturbed_model(ws_toy_model, 0.75)
-            m = sender.push(w2.named_parameters(), version=2)
-            assert m["weight_sync/engines"] == 2 and m["weight_sync/attempts"] == 1
-        assert [_version(u) for u in urls] == ["2", "2"]
-    finally:
-        stop_engines(es)
-
-
-def test_stalled_engine_does_not_hang_the_trainer(ws_toy_model):  # noqa: F811
-    es = start_engines(ws_toy_model, 2)
-    urls = [u for _, u in es]
-    try:
-        s = WeightSyncSettings(bucket_bytes=32 * 1024, timeout_s=3.0, retries=1)
-        with WeightSender(s) as sender:
-            sender.connect(urls)
-            w = perturbed_model(ws_toy_model, 1.1)
-
-            def stop_after_first(done: int, total: int) -> None:
-                if done == 1:
-                    os.kill(es[1][0].pid, signal.SIGSTOP)  # alive but unresponsive
-
-            t = time.monotonic()
-            m = sender.push(w.named_parameters(), version=1, progress=stop_after_first)
-            elapsed = time.monotonic() - t
-            assert elapsed < 6 * s.timeout_s, elapsed
-            assert m["weight_sync/attempts"] == 2 and m["weight_sync/engines"] == 1
-            assert not sender.engine_status()[urls[1]]["alive"]
-            assert _version(urls[0]) == "1"
-            os.kill(es[1][0].pid, signal.SIGKILL)
-            es[1][0].wait()
-            # With every engine gone, a push fails within the bound instead of hanging.
-            es[0][0].kill()
-            es[0][0].wait()
-            t = time.monotonic()
-            with pytest.raises(RuntimeError, match="push v2"):
-                sender.push(w.named_parameters(), version=2)
-            assert time.monotonic() - t < 6 * s.timeout_s
-    finally:
-        stop_engines(es)
-
-
 def test_disk_transport(engines, ws_toy_model, tmp_path):  # noqa: F811
     new = perturbed_model(ws_toy_model, 0.9)
     s = WeightSyncSettings(transport="disk", disk_dir=str(tmp_path / "ckpts"), hf_checkpoint=str(ws_toy_model),
@@ -192,3 +130,66 @@ def test_disk_transport(engines, ws_toy_model, tmp_path):  # noqa: F811
         assert m["weight_sync/check_s"] > 0 and m["weight_sync/engines"] == 2
     assert [_version(u) for u in engines] == ["11", "11"]
     assert (tmp_path / "ckpts" / "weights_v11" / "config.json").exists()
+
+
+def test_engine_killed_mid_push_then_resynced(procs, ws_toy_model):  # noqa: F811
+    es = procs
+    urls = [u for _, u in es]
+    s = WeightSyncSettings(bucket_bytes=32 * 1024, check_equal=True, timeout_s=20)
+    with WeightSender(s) as sender:
+        sender.connect(urls)
+        w1 = perturbed_model(ws_toy_model, 1.25)
+
+        def kill_after_first(done: int, total: int) -> None:
+            if done == 1 and es[1][0].poll() is None:
+                es[1][0].kill()
+                es[1][0].wait()
+
+        t = time.monotonic()
+        m = sender.push(w1.named_parameters(), version=1, progress=kill_after_first)
+        assert time.monotonic() - t < s.timeout_s
+        assert m["weight_sync/attempts"] == 2 and m["weight_sync/engines"] == 1  # redone on the survivor
+        st = sender.engine_status()
+        assert st[urls[0]]["alive"] and st[urls[0]]["version"] == 1
+        assert not st[urls[1]]["alive"] and st[urls[1]]["version"] is None
+        assert _version(urls[0]) == "1"
+        # The dead engine comes back (same address) and is re-synced to the current version.
+        port = int(urls[1].rsplit(":", 1)[1])
+        es[1] = start_engines(ws_toy_model, 1, ports=[port])[0]
+        assert sender.resync(urls[1], w1.named_parameters())["weight_sync/resync_s"] > 0
+        assert _version(urls[1]) == "1" and sender.engine_status()[urls[1]]["alive"]
+        # Next push goes to both through a rebuilt group.
+        w2 = perturbed_model(ws_toy_model, 0.75)
+        m = sender.push(w2.named_parameters(), version=2)
+        assert m["weight_sync/engines"] == 2 and m["weight_sync/attempts"] == 1
+    assert [_version(u) for u in urls] == ["2", "2"]
+
+
+def test_stalled_engine_does_not_hang_the_trainer(procs, ws_toy_model):  # noqa: F811
+    es = procs  # the last test of the module: it leaves no engine running
+    urls = [u for _, u in es]
+    s = WeightSyncSettings(bucket_bytes=32 * 1024, timeout_s=3.0, retries=1)
+    with WeightSender(s) as sender:
+        sender.connect(urls)
+        w = perturbed_model(ws_toy_model, 1.1)
+
+        def stop_after_first(done: int, total: int) -> None:
+            if done == 1:
+                os.kill(es[1][0].pid, signal.SIGSTOP)  # alive but unresponsive
+
+        t = time.monotonic()
+        m = sender.push(w.named_parameters(), version=1, progress=stop_after_first)
+        elapsed = time.monotonic() - t
+        assert elapsed < 6 * s.timeout_s, elapsed
+        assert m["weight_sync/attempts"] == 2 and m["weight_sync/engines"] == 1
+        assert not sender.engine_status()[urls[1]]["alive"]
+        assert _version(urls[0]) == "1"
+        os.kill(es[1][0].pid, signal.SIGKILL)
+        es[1][0].wait()
+        # With every engine gone, a push fails within the bound instead of hanging.
+        es[0][0].kill()
+        es[0][0].wait()
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="push v2"):
+            sender.push(w.named_parameters(), version=2)
+        assert time.monotonic() - t < 6 * s.timeout_s

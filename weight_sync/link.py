@@ -56,6 +56,8 @@ class Link:
         with torch.no_grad():
             ts = [named[i][1].detach().to(device, non_blocking=True) for i in bucket.indices]
             if self.flattened:
+                if len(ts) == 1 and ts[0].is_contiguous():
+                    return [ts[0].reshape(-1)]  # [numel], a view: a lone tensor needs no packing copy
                 return [flatten_bucket(ts)]  # [sum of numels], the bucket's dtype
             return [t.contiguous() for t in ts]
 
@@ -88,8 +90,15 @@ async def open_link(settings: WeightSyncSettings, members: list[tuple[str, int, 
 
 
 async def send_bucket(link: Link, bucket: Bucket, packed: list[torch.Tensor], settings: WeightSyncSettings,
-                      weight_version: str | None, flush_cache: bool) -> None:
-    """POST the bucket's metadata to every member and broadcast ``packed`` from rank 0 meanwhile."""
+                      weight_version: str | None, flush_cache: bool) -> "torch.cuda.Event | None":
+    """POST the bucket's metadata to every member and broadcast ``packed`` from rank 0 meanwhile.
+
+    gloo: returns when the bucket has arrived. nccl: returns once every engine has answered, i.e.
+    has queued its receive on its GPU (its handler returns without waiting for the transfer, as
+    SGLang's does); the transfer itself may still run, and the returned CUDA event marks its end
+    on rank 0. Queued NCCL operations of one group run in queue order on both sides, so the
+    next bucket's POST can go out now: HTTP round trips overlap with transfers.
+    """
     s = settings
     fmt = "flattened_bucket" if link.flattened else None
     posts = [c.update_weights_from_distributed(**bucket.payload(), group_name=link.name,
@@ -102,18 +111,35 @@ async def send_bucket(link: Link, bucket: Bucket, packed: list[torch.Tensor], se
     failed = _failures([TRAINER] + link.urls, outs, "update_weights_from_distributed")
     if failed:
         raise PushFailed(failed)
+    return outs[0]
+
+
+async def wait_transfer(link: Link, event: "torch.cuda.Event | None", timeout_s: float) -> None:
+    """Wait (bounded) until the transfer that ``event`` marks is done on rank 0; PushFailed if not."""
+    if event is None:
+        return
+    try:
+        await asyncio.wait_for(in_thread(event.synchronize), timeout_s)
+    except Exception as e:
+        await _abort(link)
+        raise PushFailed({TRAINER: f"broadcast did not complete: {type(e).__name__}: {e}"}) from e
 
 
 async def close_link(link: Link, timeout_s: float, urls_alive: set[str] | None = None) -> None:
     """Leave the group on the engines (those in ``urls_alive``, default all) and on rank 0."""
     members = [m for m in link.members if urls_alive is None or m[0] in urls_alive]
-    await _destroy_on_engines(members, link.name, timeout_s)
-    if link.broken:
-        return
-    try:
-        await asyncio.wait_for(in_thread(link.group.destroy), timeout_s)
-    except Exception as e:  # the group may be broken by a dead peer; it is dropped either way
-        logger.warning("destroying weight-update group %s on the trainer: %s: %s", link.name, type(e).__name__, e)
+
+    async def mine() -> None:
+        if link.broken:
+            return
+        try:
+            await asyncio.wait_for(in_thread(link.group.destroy), timeout_s)
+        except Exception as e:  # the group may be broken by a dead peer; it is dropped either way
+            logger.warning("destroying weight-update group %s on the trainer: %s: %s", link.name, type(e).__name__, e)
+
+    # Both sides at once: NCCL's communicator shutdown waits for its peers (measured: an engine's
+    # destroy blocks until rank 0 destroys too), so sequential teardown would deadlock.
+    await asyncio.gather(_destroy_on_engines(members, link.name, timeout_s), mine())
 
 
 async def _gather_bounded(aws: list, timeout_s: float, on_failure=None, grace_s: float = 5.0) -> list:
@@ -164,11 +190,19 @@ async def _abort(link: Link) -> None:
         logger.warning("aborting weight-update group %s on the trainer: %s: %s", link.name, type(e).__name__, e)
 
 
-def _broadcast(group: WeightUpdateGroup, tensors: list[torch.Tensor], device: torch.device) -> None:
+def _broadcast(group: WeightUpdateGroup, tensors: list[torch.Tensor], device: torch.device):
+    """gloo: broadcast and return when done. nccl: queue the broadcast (``wait()`` only orders the
+    current stream after it) and return a CUDA event recorded behind it."""
+    if device.type != "cuda":
+        for t in tensors:
+            group.broadcast(t, src=0)
+        return None
+    torch.cuda.set_device(device)  # a fresh thread starts on the default device
     for t in tensors:
         group.broadcast(t, src=0)
-    if device.type == "cuda":  # NCCL's wait() only orders streams; the transfer must be done here
-        torch.cuda.synchronize(device)
+    ev = torch.cuda.Event()
+    ev.record()  # on the current stream, which waits for the broadcast
+    return ev
 
 
 async def _destroy_on_engines(members: list[tuple[str, int, EngineClient]], name: str, timeout_s: float) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,11 +31,14 @@ from rollout_manager.engine_client import EngineClient, EngineError
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
-from weight_sync.link import Link, PushFailed, close_link, open_link, send_bucket
+from weight_sync.link import Link, PushFailed, close_link, open_link, send_bucket, wait_transfer
 from weight_sync.plan import check_against_engine, check_tensors, plan_buckets
 
 logger = logging.getLogger(__name__)
 GiB = 1024 ** 3
+# Buckets queued on the GPU at once (nccl): enough to keep the link busy while the next bucket's
+# HTTP round trip runs, few enough that in-flight copies stay a small multiple of bucket_bytes.
+_MAX_INFLIGHT = 3
 
 
 @dataclass
@@ -228,10 +232,14 @@ class WeightSender:
                 if s.transport == "distributed":
                     link = await self._relink(members)
                 t_link = time.perf_counter()
+                first = None
+                if s.transport == "distributed":  # pack the first bucket while the engines pause
+                    first = asyncio.get_running_loop().run_in_executor(None, link.pack, named, buckets[0],
+                                                                       link.device)
                 await self._all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
                 t_paused = time.perf_counter()
                 if s.transport == "distributed":
-                    bcast_s = await self._send_all(link, named, buckets, version, progress)
+                    bcast_s = await self._send_all(link, named, buckets, version, progress, first)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
                 t_sent = time.perf_counter()
@@ -259,25 +267,32 @@ class WeightSender:
                            f"paused (their weights may be partly updated); engines: {self.engine_status()}") \
             from last_error
 
-    async def _send_all(self, link: Link, named, buckets, version: int, progress) -> float:
-        """Send every bucket over ``link``; return the seconds spent in transfers."""
+    async def _send_all(self, link: Link, named, buckets, version: int, progress, first=None) -> float:
+        """Send every bucket over ``link`` (``first``: bucket 0 already being packed); return the
+        seconds spent in transfers."""
         s = self.settings
         dev = link.device
         loop = asyncio.get_running_loop()
-        flat_next = loop.run_in_executor(None, link.pack, named, buckets[0], dev)
-        spent = 0.0
+        flat_next = first if first is not None else loop.run_in_executor(None, link.pack, named, buckets[0], dev)
+        t = time.perf_counter()
+        inflight: deque = deque()  # CUDA events of queued transfers (nccl); bounds memory in flight
         for i, b in enumerate(buckets):
             packed = await flat_next
             if i + 1 < len(buckets):  # pack the next bucket while this one travels
                 flat_next = loop.run_in_executor(None, link.pack, named, buckets[i + 1], dev)
             last = i == len(buckets) - 1
-            t = time.perf_counter()
-            await send_bucket(link, b, packed, s, weight_version=str(version) if last else None, flush_cache=last)
-            spent += time.perf_counter() - t
+            ev = await send_bucket(link, b, packed, s, weight_version=str(version) if last else None,
+                                   flush_cache=last)
             del packed
+            if ev is not None:
+                inflight.append(ev)
+                if len(inflight) >= _MAX_INFLIGHT:
+                    await wait_transfer(link, inflight.popleft(), s.timeout_s)
             if progress is not None:
                 progress(i + 1, len(buckets))
-        return spent
+        while inflight:
+            await wait_transfer(link, inflight.popleft(), s.timeout_s)
+        return time.perf_counter() - t
 
     async def _send_disk(self, members: list[EngineState], named, version: int) -> float:
         s = self.settings
