@@ -1,0 +1,22 @@
+"""The rollout manager: engines, the router, prompt data, the rollout function and rewards.
+
+Run it alone (``python -m rollout_manager --help``) to debug generation and rewards without a
+trainer, or from the launcher (``manager.RolloutManager`` in-process, ``actor.RolloutManagerActor``
+as a Ray actor) to feed the buffer. The modules, in the order data flows through them:
+
+- ``settings`` / ``arguments``: typed settings and slime-named flags (``add_arguments``,
+  ``settings_from_args``, ``split_sglang_args`` for the ``--sglang-*`` pass-through);
+- ``data_source``: jsonl/Parquet prompts, validated line by line; groups over epochs, resumable;
+- ``engines`` / ``placement`` / ``router``: start, monitor and restart engines (embedded, SGLang,
+  or the ``instant_engine`` benchmark stand-in), locally or in Ray placement groups, behind the
+  real sglang-router;
+- ``generate``: the default per-sample generate (token in, token out; retries; partial rollout),
+  and ``current_context()`` for custom generate functions;
+- ``rollout``: the default rollout function (groups, rewards, dynamic-sampling filter,
+  over-sampling, aborts);
+- ``rewards``: reward dispatch (built-ins in ``plugins.rewards``, remote, custom);
+- ``summary``: the ``rollout/...`` and ``eval/...`` metrics;
+- ``manager`` / ``actor`` / ``__main__``: the manager, its Ray actor, the standalone command.
+
+Importing this package is cheap: nothing heavy is imported until a module is.
+"""
