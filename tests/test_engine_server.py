@@ -269,3 +269,27 @@ def test_info_endpoints(engine_url, engine_model):
     assert si["model_path"] == mi["model_path"] and si2["port"] == si["port"] and si["context_length"] == 256
     assert models["data"][0]["max_model_len"] == 256
     json.dumps(si)
+
+
+def test_release_and_resume_memory_occupation(engine_url):
+    async def go():
+        async with EngineClient(engine_url, timeout=60) as c:
+            busy = asyncio.create_task(c.generate(input_ids=[5, 6], sampling_params=LONG))
+            await wait_running(c)
+            with pytest.raises(EngineError) as e_busy:  # SGLang needs an idle engine
+                await c.request("POST", "/release_memory_occupation", {})
+            await c.abort_request(abort_all=True)
+            await busy
+            with pytest.raises(EngineError) as e_tag:
+                await c.request("POST", "/release_memory_occupation", {"tags": ["gpu"]})
+            assert (await c.request("POST", "/release_memory_occupation", {}))["success"]
+            held = asyncio.create_task(c.generate(input_ids=[7], sampling_params={"max_new_tokens": 2}))
+            await asyncio.sleep(0.3)
+            assert not held.done(), "a released engine must not generate"
+            assert (await c.request("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]}))["success"]
+            return e_busy.value, e_tag.value, await held
+
+    e_busy, e_tag, held = run(go())
+    assert e_busy.status == 400 and "in flight" in e_busy.body
+    assert e_tag.status == 400 and "tags" in e_tag.body
+    assert held["meta_info"]["completion_tokens"] >= 1

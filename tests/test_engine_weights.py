@@ -108,7 +108,7 @@ def test_init_group_rejects_bad_settings_and_unknown_groups(engine):
                 with pytest.raises(EngineError) as e:
                     await call
                 errs.append((e.value.status, e.value.body))
-            ok = await c.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})
+            ok = await c.generate(input_ids=[5], sampling_params={"max_new_tokens": 1, "ignore_eos": True})
             return errs, ok
 
     errs, ok = run(go())

@@ -78,13 +78,17 @@ def sample(logits: torch.Tensor, rows: RowParams, shared: torch.Generator) -> tu
         if rows.need_filter:
             probs, idx = _filtered_probs(probs, rows)
         noise = torch.empty_like(probs)  # [B, V]
-        if rows.unseeded.numel():
-            noise[rows.unseeded] = torch.empty((rows.unseeded.numel(), probs.shape[-1]), device=probs.device,
-                                               dtype=probs.dtype).exponential_(generator=shared)
-        for i in rows.seeded:
-            noise[i].exponential_(generator=rows.generators[i])
-        # greedy rows get noise 1 (their draw is ignored below); E == 0 would make p / E undefined
-        noise[rows.greedy] = 1.0
+        if len(rows.unseeded) == probs.shape[0]:  # the common case: one draw for the whole batch
+            noise.exponential_(generator=shared)
+        else:
+            if rows.unseeded.numel():
+                noise[rows.unseeded] = torch.empty((rows.unseeded.numel(), probs.shape[-1]), device=probs.device,
+                                                   dtype=probs.dtype).exponential_(generator=shared)
+            for i in rows.seeded:
+                noise[i].exponential_(generator=rows.generators[i])
+            # greedy rows get noise 1 (their draw is ignored below)
+            noise[rows.greedy] = 1.0
+        # E == 0 would make p / E undefined
         choice = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # [B]
         if idx is not None:
             choice = idx.gather(1, choice[:, None]).squeeze(1)  # [B] back to vocabulary ids

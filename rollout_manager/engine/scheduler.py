@@ -73,6 +73,7 @@ class Scheduler:
         self._alive_idx = torch.zeros(0, dtype=torch.long)
         self._row_params: RowParams | None = None
         self._n_running = 0
+        self._n_tokens = 0  # prompt + output tokens of the running rows (at the last batch change)
         self.steps = 0  # decode steps run
         self.prefills = 0  # prefill forwards run
         self.finished = 0  # requests finished (any reason)
@@ -139,7 +140,7 @@ class Scheduler:
     def load(self) -> dict:
         with self._cv:
             return {"num_running_reqs": self._n_running, "num_waiting_reqs": len(self._waiting),
-                    "num_reqs": len(self._live)}
+                    "num_reqs": len(self._live), "num_tokens": self._n_tokens}
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -274,8 +275,9 @@ class Scheduler:
         reqs = [self._rows[i] for i in alive]
         self._row_params = build_row_params([r.params for r in reqs], [r.generator for r in reqs],
                                             self.runner.vocab_size, self.runner.device) if reqs else None
+        n_tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
         with self._cv:
-            self._n_running = len(alive)
+            self._n_running, self._n_tokens = len(alive), n_tokens
 
     def _compact(self) -> None:
         self._batch = self.runner.select(self._batch, self._alive_idx)

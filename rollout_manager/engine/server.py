@@ -85,6 +85,8 @@ class Engine:
         r.add_post("/update_weights_from_distributed", self._weights(self.update_weights_from_distributed))
         r.add_post("/destroy_weights_update_group", self._weights(self.destroy_weights_update_group))
         r.add_post("/update_weights_from_disk", self._weights(self.update_weights_from_disk))
+        r.add_post("/release_memory_occupation", self._weights(self.release_memory_occupation))
+        r.add_post("/resume_memory_occupation", self._weights(self.resume_memory_occupation))
         r.add_get("/v1/models", self.v1_models)
         return app
 
@@ -315,6 +317,23 @@ class Engine:
         path = str(b["model_path"])
         await self.weights.update_from_disk(path, b.get("weight_version"))
         return "Succeeded to update model weights."
+
+    async def release_memory_occupation(self, b: dict) -> str:
+        await self.weights.release_memory(_tags(b))
+        return "Succeeded to release memory occupation."
+
+    async def resume_memory_occupation(self, b: dict) -> str:
+        await self.weights.resume_memory(_tags(b))
+        return "Succeeded to resume memory occupation."
+
+
+def _tags(b: dict) -> list[str]:
+    tags = b.get("tags")
+    if tags is None:
+        return ["weights", "kv_cache"]  # SGLang's default: everything
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ProtocolError("tags", "expected a list of strings")
+    return tags
 
 
 async def start_server(settings: EngineSettings, engine: Engine | None = None) -> tuple[web.AppRunner, Engine]:

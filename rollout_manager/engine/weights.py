@@ -51,6 +51,7 @@ class WeightManager:
         self.timeout_s = timeout_s
         self.groups: dict[str, _Group] = {}
         self._params = runner.named_tensors()
+        self._backup: dict[str, torch.Tensor] | None = None  # weights offloaded by release_memory
 
     # --- groups -----------------------------------------------------------------------------
     async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -170,6 +171,46 @@ class WeightManager:
                 sched.weight_version = str(weight_version)
 
         await asyncio.wrap_future(self.scheduler.run_command(copy))
+
+    # --- colocated mode ----------------------------------------------------------------------
+    async def release_memory(self, tags: list[str]) -> None:
+        """Free accelerator memory for a colocated trainer (SGLang's release_memory_occupation).
+
+        Needs an idle engine; generation stays paused until ``resume_memory``. Weights are kept
+        in a host-memory backup (on a CPU engine they already live there, so nothing moves).
+        The KV cache is per running request, so an idle engine holds none."""
+        bad = [t for t in tags if t not in ("weights", "kv_cache")]
+        if bad:
+            raise WeightUpdateError(f"tags: unknown tag {bad[0]!r} (weights, kv_cache)")
+        if self.scheduler.load()["num_reqs"]:
+            raise WeightUpdateError("requests are in flight: abort or finish them before releasing memory")
+        self.scheduler.pause("in_place")
+        if "weights" in tags and self.runner.device.type != "cpu" and self._backup is None:
+            params = self._params
+
+            def offload() -> dict[str, torch.Tensor]:
+                backup, seen = {}, set()
+                for n, p in params.items():
+                    if id(p) not in seen:  # tied weights: one backup per Parameter
+                        seen.add(id(p))
+                        backup[n] = p.data.to("cpu")
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                torch.cuda.empty_cache()
+                return backup
+            self._backup = await asyncio.wrap_future(self.scheduler.run_command(offload))
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Bring released memory back and continue generation (SGLang's resume_memory_occupation)."""
+        if self._backup is not None and "weights" in tags:
+            params, backup, dev = self._params, self._backup, self.runner.device
+
+            def restore() -> None:
+                for n, t in backup.items():
+                    params[n].data = t.to(dev)
+            await asyncio.wrap_future(self.scheduler.run_command(restore))
+            self._backup = None
+        if self._backup is None:
+            self.scheduler.resume()
 
     async def checksums(self, names: list[str] | None, dtype: torch.dtype | None) -> dict[str, str]:
         """``{name: tensor_checksum}`` of the model's parameters (HF names), read between forwards."""

@@ -1,0 +1,190 @@
+"""Benchmark of the embedded engine (issue 3): generation throughput at 1, 8 and 64 concurrent
+requests against transformers' batched ``generate`` on the same prompts, on the toy model and on
+a ~110M-parameter random llama; and the latency of a short request while long ones run.
+
+    unshare -n bash -c 'ip link set lo up && exec python bench/engine.py'   [--quick]
+
+The engine runs as a subprocess behind HTTP (the real path: EngineClient -> aiohttp -> scheduler);
+transformers runs in this process. Both use the same torch thread count, sample at temperature 1
+with no top-k/top-p, and generate exactly ``max_new_tokens`` per request (EOS ignored). Each cell
+is the median of ``--reps`` runs. ``ratio`` = ours / transformers at 64 concurrent (the lower of
+the two models). Writes bench/results/engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollout_manager.engine import EngineSettings, launch_engine_process  # noqa: E402
+from rollout_manager.engine_client import EngineClient  # noqa: E402
+
+
+def build_models(tmp: Path) -> dict[str, Path]:
+    spec = importlib.util.spec_from_file_location("make_toy_model", ROOT / "scripts" / "make_toy_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    toy = mod.main(["--out", str(tmp / "toy"), "--num-train", "10", "--num-eval", "4"])
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=95, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    big = tmp / "llama110m"
+    LlamaForCausalLM(cfg).save_pretrained(big)
+    for f in toy.iterdir():  # the toy tokenizer (vocab 95) serves the larger model too
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, big / f.name)
+    return {"toy": toy, "llama110m": big}
+
+
+def make_prompts(n: int, seed: int, lo: int = 8, hi: int = 24) -> list[list[int]]:
+    """``n`` random prompts of ``lo``..``hi`` tokens (ordinary characters of the toy vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(7, 95, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """transformers' batched generate (left padding); returns seconds."""
+    T = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), T), dtype=torch.long)  # [B, T]
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)  # [B, T]
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+    dt = time.perf_counter() - t
+    assert out.shape[1] == T + new_tokens
+    return dt
+
+
+async def engine_generate(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+    sp = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    async with EngineClient(url, timeout=600) as c:
+        t = time.perf_counter()
+        rs = await asyncio.gather(*[c.generate(input_ids=p, sampling_params=sp, return_logprob=True)
+                                    for p in prompts])
+        dt = time.perf_counter() - t
+    assert all(r["meta_info"]["completion_tokens"] == new_tokens for r in rs)
+    return dt
+
+
+async def short_latency(url: str, n_long: int, long_tokens: int, n_short: int) -> dict:
+    """Latency of 4-token requests sent one after another while ``n_long`` long requests run."""
+    async with EngineClient(url, timeout=600) as c:
+        idle = []
+        for p in make_prompts(5, 7):
+            t = time.perf_counter()
+            await c.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+            idle.append(time.perf_counter() - t)
+        longs = [asyncio.create_task(c.generate(input_ids=p, sampling_params={
+            "max_new_tokens": long_tokens, "ignore_eos": True})) for p in make_prompts(n_long, 8)]
+        while (await c.request("GET", "/get_load"))[0]["num_running_reqs"] < n_long:
+            await asyncio.sleep(0.005)
+        lat = []
+        for p in make_prompts(n_short, 9):
+            t = time.perf_counter()
+            await c.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+            lat.append(time.perf_counter() - t)
+        overlapped = sum(not x.done() for x in longs)
+        t = time.perf_counter()
+        await asyncio.gather(*longs)
+        rest = time.perf_counter() - t
+    lat.sort()
+    return {"p50_s": statistics.median(lat), "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "idle_p50_s": statistics.median(idle), "long_still_running_after_shorts": overlapped,
+            "long_remaining_s": rest}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both sides (1: on a shared 2-core box more threads spin against "
+                         "other processes and both sides slow down 10x or more)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and reps (a smoke run)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    # RL rollouts are decode-heavy (responses longer than prompts): the larger model gets short
+    # prompts so that the run measures decoding more than prefill
+    plan = {"toy": {"new_tokens": 128, "reps": args.reps, "prompt": (8, 24), "long": 200, "n_long": 16, "n_short": 20},
+            "llama110m": {"new_tokens": 32, "reps": max(1, args.reps - 1), "prompt": (4, 8), "long": 64,
+                          "n_long": 8, "n_short": 5}}
+    if args.quick:
+        for p in plan.values():
+            p.update(new_tokens=p["new_tokens"] // 8, reps=1)
+    from transformers import AutoModelForCausalLM
+
+    metrics: dict = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = build_models(Path(tmp))
+        for name, path in models.items():
+            cfg = plan[name]
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            nparams = sum(p.numel() for p in hf.parameters())
+            proc, url = launch_engine_process(EngineSettings(model_path=str(path), port=0, num_threads=args.threads,
+                                                             random_seed=0), timeout_s=300)
+            try:
+                asyncio.run(engine_generate(url, make_prompts(4, 0), 2))  # warm-up
+                hf_generate(hf, make_prompts(4, 0), 2)
+                for conc in (1, 8, 64):
+                    prompts = make_prompts(conc, conc, *cfg["prompt"])
+                    tokens = conc * cfg["new_tokens"]
+                    t_ours, t_base = [], []
+                    for _ in range(cfg["reps"]):  # interleaved, so both sides see the same machine load
+                        t_ours.append(asyncio.run(engine_generate(url, prompts, cfg["new_tokens"])))
+                        t_base.append(hf_generate(hf, prompts, cfg["new_tokens"]))
+                    ours, base = statistics.median(t_ours), statistics.median(t_base)
+                    m = {"ours_tok_s": tokens / ours, "hf_tok_s": tokens / base, "ratio": base / ours}
+                    metrics[f"{name}_c{conc}"] = m
+                    rows.append((name, conc, m))
+                    print(f"{name:10s} c={conc:3d}  ours {m['ours_tok_s']:9.1f} tok/s   transformers "
+                          f"{m['hf_tok_s']:9.1f} tok/s   ratio {m['ratio']:.2f}", flush=True)
+                lat = asyncio.run(short_latency(url, cfg["n_long"], cfg["long"], cfg["n_short"]))
+                # a static batcher (transformers generate) makes a newcomer wait for the batch in flight
+                lat["static_batch_wait_s"] = hf_generate(hf, make_prompts(cfg["n_long"], 8), cfg["long"])
+                metrics[f"{name}_short_latency"] = lat
+                metrics[f"{name}_params"] = nparams
+                print(f"{name:10s} short request while long ones run: p50 {lat['p50_s'] * 1e3:.1f} ms, "
+                      f"p99 {lat['p99_s'] * 1e3:.1f} ms (idle p50 {lat['idle_p50_s'] * 1e3:.1f} ms; a static "
+                      f"batch would make it wait {lat['static_batch_wait_s']:.2f} s)", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    ratio = min(metrics["toy_c64"]["ratio"], metrics["llama110m_c64"]["ratio"])
+    result = {"name": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} torch threads, "
+                         f"torch {torch.__version__}",
+              "command": "python bench/engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "metrics": metrics, "ratio": ratio, "target": 1.0}
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"ratio (ours / transformers at 64 concurrent, lower of both models): {ratio:.2f} (target >= 1.0)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
