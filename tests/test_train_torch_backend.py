@@ -178,3 +178,19 @@ def test_export_hf_and_named_weights(toy_model_dir, groups, tmp_path):
     assert all(torch.equal(named[k], sd[k]) for k in named)
     s = groups[0][0]
     assert torch.allclose(torch.tensor(b.compute_log_probs([s])[0]), torch.tensor(hf_log_probs(m, s)), atol=1e-5)
+
+
+def test_bf16_compute_keeps_float32_masters(toy_model_dir, groups, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    b = create_backend(settings(toy_model_dir, dtype="bfloat16", lr=1e-6, use_kl_loss=True, kl_coef=0.01))
+    before = {k: v.detach().clone() for k, v in b.model.named_parameters()}
+    m = b.train_step(groups, 0)
+    assert all(math.isfinite(v) for v in m.values())
+    assert all(p.dtype == torch.float32 for p in b.model.parameters())
+    # an update of lr 1e-6 is far below bf16's resolution (~1e-2 relative): only float32 masters keep it
+    moved = [k for k, p in b.model.named_parameters() if not torch.equal(p.detach(), before[k])]
+    assert len(moved) == len(before)
+    assert all(t.dtype == torch.bfloat16 for _, t in b.named_hf_weights())
+    b.export_hf(str(tmp_path / "hf"))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16

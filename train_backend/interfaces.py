@@ -21,7 +21,7 @@ ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinf
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_LOSS_TYPES = ("k1", "k2", "k3")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
 
 
 @dataclass
@@ -71,7 +71,7 @@ class TrainSettings:
     reward_key: str | None = None
     # placement
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
     seed: int = 0
     # HF export path pattern (``{rollout_id}`` is filled in); None = no export
     save_hf: str | None = None

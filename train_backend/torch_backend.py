@@ -9,6 +9,7 @@ micro-batches under ``--max-tokens-per-micro-batch`` and trained with gradient a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -52,7 +53,10 @@ class TorchBackend:
             torch.cuda.set_device(self.device)
         torch.manual_seed(settings.seed)
 
-        model = AutoModelForCausalLM.from_pretrained(settings.hf_checkpoint, dtype=getattr(torch, settings.dtype))
+        # Master weights (and so AdamW's state) are float32 whatever --train-dtype says: a bf16
+        # weight cannot take an update of lr 1e-6 x its size. --train-dtype is the compute dtype.
+        self.compute_dtype = getattr(torch, settings.dtype)
+        model = AutoModelForCausalLM.from_pretrained(settings.hf_checkpoint, dtype=torch.float32)
         self.config = model.config
         self.max_seq_len: int | None = self.config.max_position_embeddings
         # Varlen attention kernels cost nothing for packing everything into one row; a dense mask
@@ -60,7 +64,9 @@ class TorchBackend:
         self.one_row = self.config._attn_implementation in ("flash_attention_2", "flash_attention_3")
         # The reference policy = a frozen copy of the initial weights; it stays on the CPU between
         # uses so it costs no accelerator memory while the policy trains.
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if settings.use_kl_loss else None
+        self.ref_model = None
+        if settings.use_kl_loss:  # frozen: it can live in the compute dtype
+            self.ref_model = copy.deepcopy(model).to(self.compute_dtype).eval().requires_grad_(False)
         model.to(self.device)
         if self.distributed:
             self._shard(model)
@@ -77,13 +83,20 @@ class TorchBackend:
 
     # --- setup --------------------------------------------------------------------------------
     def _shard(self, model: torch.nn.Module) -> None:
-        """FSDP2: shard every decoder layer, then the root (embeddings, norm, head)."""
-        from torch.distributed.fsdp import fully_shard
+        """FSDP2: shard every decoder layer, then the root (embeddings, norm, head); parameters are
+        gathered in the compute dtype and gradients reduced in float32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        layers = model.get_decoder().layers
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+
+    def _autocast(self):
+        """Single process: autocast to the compute dtype (under FSDP2 its policy casts instead)."""
+        if self.distributed or self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     # --- forward ------------------------------------------------------------------------------
     def _log_probs(self, model: torch.nn.Module, mb: PackedMicroBatch, with_entropy: bool,
@@ -92,15 +105,16 @@ class TorchBackend:
         The entropy keeps its graph only with ``entropy_grad`` (it costs a [N, V] softmax)."""
         # logits only where a response token is predicted: most prompt vocab projections are skipped
         rows, width = mb.input_ids.shape
-        if rows == 1:
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.logit_index,
-                        use_cache=False)
-            logits = out.logits[0]  # [N, V]
-        else:  # keep the columns any row needs, then pick each token's (row, column)
-            keep, inverse = torch.unique(mb.logit_index % width, return_inverse=True)  # [K], [N]
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=keep,
-                        use_cache=False)
-            logits = out.logits[mb.logit_index // width, inverse]  # [N, V]
+        with self._autocast():
+            if rows == 1:
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.logit_index,
+                            use_cache=False)
+                logits = out.logits[0]  # [N, V]
+            else:  # keep the columns any row needs, then pick each token's (row, column)
+                keep, inverse = torch.unique(mb.logit_index % width, return_inverse=True)  # [K], [N]
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=keep,
+                            use_cache=False)
+                logits = out.logits[mb.logit_index // width, inverse]  # [N, V]
         temp = self.settings.rollout_temperature
         logp, entropy = log_probs_from_logits(logits, mb.targets, temp, with_entropy and entropy_grad)
         if with_entropy and not entropy_grad:
@@ -262,11 +276,11 @@ class TorchBackend:
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full tensors under HF names, one parameter at a time (each a collective under FSDP2:
-        every rank must exhaust the iterator)."""
+        """Full tensors under HF names in the compute dtype, one parameter at a time (each a
+        collective under FSDP2: every rank must exhaust the iterator)."""
         for name, p in self.model.named_parameters():
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            yield name, t.detach()
+            yield name, t.detach().to(self.compute_dtype)  # what the engines run (float32 masters stay here)
 
     def save(self, path: str) -> None:
         """Model + optimizer (torch.distributed.checkpoint, sharded under FSDP2), scheduler, step

@@ -9,6 +9,7 @@ each rank writes its own shards under FSDP2, and a checkpoint loads onto another
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import random
@@ -96,8 +97,12 @@ def export_hf(backend: "TorchBackend", path: str) -> None:
 
     sd = get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if backend.rank == 0:
+        sd = {k: v.to(backend.compute_dtype) for k, v in sd.items()}  # the float32 masters in the compute dtype
         os.makedirs(path, exist_ok=True)
         backend.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+        config = copy.deepcopy(backend.model.config)  # save_pretrained records the (float32) master dtype
+        config.dtype = backend.settings.dtype
+        config.save_pretrained(path)
         try:
             tok = AutoTokenizer.from_pretrained(backend.settings.hf_checkpoint)
         except (OSError, ValueError) as e:  # a checkpoint without tokenizer files: weights are still usable
