@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "samples on one engine: good for SGLang's prefix cache, uneven on small batches)")
     g.add_argument("--engine-startup-timeout", type=float, default=E.engine_startup_timeout)
     g.add_argument("--health-check-interval", type=float, default=E.health_check_interval)
+    g.add_argument("--health-check-timeout", type=float, default=E.health_check_timeout,
+                   help="seconds an engine may take to answer /health (3 misses in a row: restarted)")
     g.add_argument("--restart-dead-engines", action=argparse.BooleanOptionalAction, default=E.restart_dead_engines)
 
     g = parser.add_argument_group("rollout: sampling")
@@ -135,7 +137,7 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
               "rollout_max_response_len", "rollout_num_engines", "rollout_num_gpus_per_engine",
               "sglang_server_concurrency", "rollout_request_timeout", "n_samples_per_eval_prompt",
               "eval_max_response_len", "rollout_max_prompt_len", "num_epoch", "engine_startup_timeout",
-              "health_check_interval", "dynamic_sampling_max_dropped_ratio")
+              "health_check_interval", "health_check_timeout", "dynamic_sampling_max_dropped_ratio")
     if args.rollout_max_retries < 0:
         raise ValueError(f"--rollout-max-retries must be >= 0, got {args.rollout_max_retries}")
     if args.rollout_num_gpus < 0:

@@ -178,8 +178,8 @@ class EngineFleet:
         """One health check of ``eng``; removes, restarts and re-registers it when it is dead."""
         exited = eng.process is not None and eng.process.poll() is not None
         if not exited:
-            async with EngineClient(eng.url, timeout=5) as c:
-                healthy = await c.health(timeout=max(1.0, self.settings.engines.health_check_interval))
+            async with EngineClient(eng.url) as c:
+                healthy = await c.health(timeout=self.settings.engines.health_check_timeout)
             eng.failures = 0 if healthy else eng.failures + 1
             if healthy:
                 if not eng.registered:  # an external engine came back

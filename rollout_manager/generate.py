@@ -204,6 +204,12 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
             if step.stopping:
                 sample.status = Status.ABORTED
                 return sample
+            if ctx.running.is_set():  # not our pause: the engine aborted it (bounded like any failure)
+                attempt += 1
+                if attempt > s.max_request_retries:
+                    mark_failed(sample, "engine: aborted")
+                    return sample
+                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
             continue  # interrupted by a pause: resume from what we have once weights are updated
         sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
         return sample

@@ -43,6 +43,7 @@ class EngineFleetSettings:
     engine_extra_args: str = ""  # extra flags for embedded/instant engines, e.g. "--max-running-requests 64"
     engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy
     health_check_interval: float = 2.0  # seconds between engine health checks
+    health_check_timeout: float = 10.0  # a busy engine may answer /health late; 3 misses in a row = hung
     restart_dead_engines: bool = True
 
 

@@ -145,13 +145,17 @@ def test_hung_engine_is_replaced(toy_model_dir):
     import signal
 
     async def go():
-        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.3",
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.3", "--health-check-timeout", "1",
                         "--n-samples-per-prompt", "4", "--rollout-batch-size", "8")
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
             await asyncio.sleep(0.1)
             os.kill(m.fleet.engines[0].process.pid, signal.SIGSTOP)  # alive but not answering
             groups, metrics = await asyncio.wait_for(task, 60)
+            for _ in range(300):  # up to 30 s for the replacement to come up
+                if "engine 0 restarted" in m.fleet.events:
+                    break
+                await asyncio.sleep(0.1)
             return groups, metrics, list(m.fleet.events), m.fleet.engines[0].restarts
     groups, metrics, events, restarts = asyncio.run(go())
     samples = [s for g in groups for s in g]
