@@ -29,7 +29,8 @@ def test_engine_actor_serves_and_shuts_down(engine_model):
 
         async def go():
             async with EngineClient(url, timeout=60) as c:
-                r = await c.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
+                r = await c.generate(input_ids=[5, 6, 7],
+                                     sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
                 return r, await c.model_info()
 
         r, info = run(go())

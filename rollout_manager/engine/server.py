@@ -13,7 +13,6 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-import torch
 from aiohttp import web
 
 from weight_sync.buckets import parse_dtype
