@@ -66,6 +66,7 @@ class RolloutContext:
     active_steps: set[int] = field(default_factory=set)  # id()s of StepStates in progress
 
 log = logging.getLogger(__name__)
+MAX_IDLE_ABORTS = 50  # engine-side aborts in a row without progress before a sample fails (~3 min)
 _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reservoir_rollout_context")
 _STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
 
@@ -151,7 +152,7 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
     ctx, step = current_context(), current_step()
     s = ctx.settings.sampling
     budget = sampling_params["max_new_tokens"]
-    attempt = 0
+    attempt = idle_aborts = 0
     while True:
         remaining = budget - sample.response_length
         if remaining <= 0:
@@ -192,7 +193,8 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
             await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
             continue
         try:
-            step.stats.generated_tokens += append_segment(sample, out, s.mask_offpolicy_in_partial_rollout)
+            new_tokens = append_segment(sample, out, s.mask_offpolicy_in_partial_rollout)
+            step.stats.generated_tokens += new_tokens
         except RuntimeError as e:
             mark_failed(sample, f"engine: {e}"[:80])
             return sample
@@ -204,12 +206,16 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
             if step.stopping:
                 sample.status = Status.ABORTED
                 return sample
-            if ctx.running.is_set():  # not our pause: the engine aborted it (bounded like any failure)
-                attempt += 1
-                if attempt > s.max_request_retries:
+            if new_tokens:
+                idle_aborts = 0  # progress: e.g. weight_sync paused the engines (abort mode) mid-request
+            elif ctx.running.is_set():
+                # not our pause and nothing generated: an engine-side pause (weight sync) while queued,
+                # or an engine that aborts this request every time; the second must not loop forever
+                idle_aborts += 1
+                if idle_aborts > MAX_IDLE_ABORTS:
                     mark_failed(sample, "engine: aborted")
                     return sample
-                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+                await asyncio.sleep(min(0.25 * 2 ** (idle_aborts - 1), 4.0))
             continue  # interrupted by a pause: resume from what we have once weights are updated
         sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
         return sample

@@ -203,3 +203,26 @@ def test_custom_rollout_function_slime_style(toy_model_dir):
     groups, metrics = asyncio.run(go())
     assert len(groups) == 3 and all(s.metadata["wrapped"] == 7 for g in groups for s in g)
     assert metrics["rollout/num_samples"] == 6 and metrics["rollout/reward_mean"] == 0.0
+
+
+def test_engine_side_pause_like_weight_sync(toy_model_dir):
+    """weight_sync pauses the engines itself (abort mode): requests resume, each segment tagged."""
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 1.0 --num-tokens 8",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", "--rollout-max-response-len", "8",
+                        "--partial-rollout")
+        async with running_manager(argv) as m:
+            task = asyncio.ensure_future(m.generate(0))
+            await asyncio.sleep(0.4)
+            clients = [EngineClient(u, timeout=10) for u in m.engine_urls]
+            await asyncio.gather(*(c.pause_generation("abort") for c in clients))
+            await asyncio.sleep(0.5)  # the retried requests wait in the paused engines
+            await asyncio.gather(*(c.update_weights_from_disk("unused", weight_version="1") for c in clients))
+            await asyncio.gather(*(c.continue_generation() for c in clients))
+            for c in clients:
+                await c.close()
+            return await asyncio.wait_for(task, 30)
+    groups, metrics = asyncio.run(go())
+    assert metrics["rollout/aborted_requests"] == 4 and metrics["rollout/failed_frac"] == 0
+    for s in (s for g in groups for s in g):
+        assert s.weight_versions == [0, 1] and s.response_length == 8 and s.loss_mask == [1] * 8
