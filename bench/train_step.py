@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
                             f"{name}_steps_per_min": 60 / ours, f"{name}_tokens_per_s": tokens / ours,
                             f"{name}_tokens": float(tokens)})
             rows.append((name, len(batch.samples), tokens, ours * 1e3, base * 1e3, base / ours, 60 / ours))
-    print(f"{'workload':8} {'samples':>7} {'tokens':>7} {'ours ms':>9} {'padded ms':>10} {'speedup':>8} {'steps/min':>10}")
+    print(f"{'workload':8} {'samples':>7} {'tokens':>7} {'ours ms':>9} {'padded ms':>10} {'speedup':>8} "
+          f"{'steps/min':>10}")
     for r in rows:
         print(f"{r[0]:8} {r[1]:7d} {r[2]:7d} {r[3]:9.1f} {r[4]:10.1f} {r[5]:8.2f} {r[6]:10.0f}")
     result = {

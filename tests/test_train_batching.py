@@ -87,7 +87,8 @@ def test_prepare_batch_baselines_and_skips():
     d = _sample([1, 2], [3], reward={"acc": 1.0, "fmt": 0.0})
     with pytest.raises(ValueError, match="--reward-key"):
         prepare_batch([[d]], "grpo", None, None)
-    assert prepare_batch([[d, d.copy(reward={"acc": 0.0, "fmt": 1.0})]], "dr_grpo", "acc", None).advantages == [0.5, -0.5]
+    two = [[d, d.copy(reward={"acc": 0.0, "fmt": 1.0})]]
+    assert prepare_batch(two, "dr_grpo", "acc", None).advantages == [0.5, -0.5]
 
 
 def test_whiten_advantages_weighs_samples_by_loss_tokens():

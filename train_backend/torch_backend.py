@@ -156,7 +156,8 @@ class TorchBackend:
         micro-batches (FSDP's collectives run per forward), padded with zero-weight repeats."""
         lengths = [len(batch.samples[i].tokens) for i in idx]
         share = [idx[j] for j in balance(lengths, self.world_size)[self.rank]]
-        plan = plan_micro_batches([len(batch.samples[i].tokens) for i in share], self.settings.max_tokens_per_micro_batch)
+        plan = plan_micro_batches([len(batch.samples[i].tokens) for i in share],
+                                  self.settings.max_tokens_per_micro_batch)
         mbs = [self._pack([batch.samples[share[j]] for j in b], [adv[share[j]] for j in b]) for b in plan]
         n = len(mbs)
         if self.distributed:
@@ -210,6 +211,7 @@ class TorchBackend:
                                       mb.num_seqs, entropy=entropy, ref_logp=None if ref is None else ref[k][j],
                                       rollout_logp=mb.rollout_logp, rollout_mask=mb.rollout_mask)
                 if not torch.isfinite(loss):
+                    self.optimizer.zero_grad(set_to_none=True)  # no half-accumulated step leaks into the next
                     raise RuntimeError(f"train_step {step}: non-finite loss {loss.item()} in optimizer step {k}, "
                                        f"micro-batch {j}; the weights were not updated")
                 # FSDP averages gradients over ranks; the loss is already a sum over the whole
