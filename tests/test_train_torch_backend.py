@@ -144,8 +144,12 @@ def test_non_finite_weights_raise_instead_of_stepping(toy_model_dir, groups):
     b = create_backend(settings(toy_model_dir))
     with torch.no_grad():
         b.model.lm_head.weight[3, 0] = float("nan")
+    before = weights(b)
     with pytest.raises(RuntimeError, match="non-finite"):
         b.train_step(groups, 0)
+    assert all(p.grad is None for p in b.model.parameters())  # nothing left for the next step
+    after = weights(b)
+    assert all(torch.equal(before[k], after[k]) for k in before if torch.isfinite(before[k]).all())
 
 
 def test_save_load_resumes_exactly(toy_model_dir, groups, tmp_path):
