@@ -69,13 +69,21 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
     for i, p in enumerate(prompts):
         ids[i, T - len(p):] = torch.tensor(p)
         mask[i, T - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    _sync(model.device)
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                              max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+    _sync(model.device)
     dt = time.perf_counter() - t
     assert out.shape[1] == T + new_tokens
     return dt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 async def engine_generate(url: str, prompts: list[list[int]], new_tokens: int) -> float:
@@ -123,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "other processes and both sides slow down 10x or more)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and reps (a smoke run)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU machine)")
+    ap.add_argument("--dtype", default="auto", help="engine and transformers dtype (auto: fp32 CPU, bf16 CUDA)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -142,10 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         models = build_models(Path(tmp))
         for name, path in models.items():
             cfg = plan[name]
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            es = EngineSettings(model_path=str(path), port=0, num_threads=args.threads, random_seed=0,
+                                device=args.device, dtype=args.dtype)
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, es.torch_dtype_name()))
+            hf = hf.to(args.device).eval()
             nparams = sum(p.numel() for p in hf.parameters())
-            proc, url = launch_engine_process(EngineSettings(model_path=str(path), port=0, num_threads=args.threads,
-                                                             random_seed=0), timeout_s=300)
+            proc, url = launch_engine_process(es, timeout_s=300)
             try:
                 asyncio.run(engine_generate(url, make_prompts(4, 0), 2))  # warm-up
                 hf_generate(hf, make_prompts(4, 0), 2)
@@ -176,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = min(metrics["toy_c64"]["ratio"], metrics["llama110m_c64"]["ratio"])
     result = {"name": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} torch threads, "
-                         f"torch {torch.__version__}",
+                         f"torch {torch.__version__}, device {args.device}"
+                         + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""),
               "command": "python bench/engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "metrics": metrics, "ratio": ratio, "target": 1.0}
     if not args.quick:

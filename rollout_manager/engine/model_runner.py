@@ -9,6 +9,7 @@ row's numbers: a row's log-probs equal a forward over that row alone (to float r
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -59,6 +60,9 @@ class ModelRunner:
             log.warning("--context-length %d exceeds max_position_embeddings %d", self.context_length, max_pos)
         self.num_layers = int(self.config.get_text_config().num_hidden_layers)
         self.eos_ids = self._eos_ids(settings.model_path)
+        # transformers 5.24 renamed `past_key_values` to `cache` (older 5.x only know the former)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def _eos_ids(self, model_path: str) -> frozenset[int]:
         ids: set[int] = set()
@@ -95,8 +99,8 @@ class ModelRunner:
         mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]  # [n, L, L]
         cache = BatchKVCache(self.num_layers)
         cache.begin(L, self.context_length)
-        out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
         cache.commit()
         logits = out.logits[:, -1]  # [n, V]
         return logits, Batch(cache, valid, lens.clone(), ids[:, -1].clone())
@@ -108,7 +112,7 @@ class ModelRunner:
         batch.valid = torch.cat([batch.valid, torch.ones((B, 1), dtype=torch.bool, device=self.device)], 1)  # [B, T+1]
         batch.cache.begin(1, self.context_length + 16)
         out = self.model(input_ids=batch.last_tok[:, None], attention_mask=batch.valid[:, None, None, :],
-                         position_ids=batch.next_pos[:, None], cache=batch.cache, use_cache=True)
+                         position_ids=batch.next_pos[:, None], use_cache=True, **{self._cache_kw: batch.cache})
         batch.cache.commit()
         batch.next_pos += 1
         return out.logits[:, -1]  # [B, V]
