@@ -215,11 +215,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trainer-device", default=None, help="default: cpu, or cuda:0")
     ap.add_argument("--engine-device", default=None, help="default: cpu, or cuda:1")
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/weight_sync.json (cuda), "
+                                                 "bench/results/weight_sync_cpu.json (cpu)")
     ap.add_argument("--bare-receiver", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    args.out = args.out or str(ROOT / "bench" / "results" / ("weight_sync.json" if cuda else "weight_sync_cpu.json"))
     args.trainer_device = args.trainer_device or ("cuda:0" if cuda else "cpu")
     args.engine_device = args.engine_device or ("cuda:1" if cuda else "cpu")
     if args.bare_receiver:

@@ -107,7 +107,7 @@ async def send_bucket(link: Link, bucket: Bucket, packed: list[torch.Tensor], se
              for _, _, c in link.members]
     bcast = in_thread(_broadcast, link.group, packed, link.device)
     outs = await _gather_bounded([asyncio.wait_for(bcast, s.timeout_s), *posts], s.timeout_s,
-                                 on_failure=lambda: _abort(link))
+                                 on_failure=lambda: abort_link(link))
     failed = _failures([TRAINER] + link.urls, outs, "update_weights_from_distributed")
     if failed:
         raise PushFailed(failed)
@@ -121,7 +121,7 @@ async def wait_transfer(link: Link, event: "torch.cuda.Event | None", timeout_s:
     try:
         await asyncio.wait_for(in_thread(event.synchronize), timeout_s)
     except Exception as e:
-        await _abort(link)
+        await abort_link(link)
         raise PushFailed({TRAINER: f"broadcast did not complete: {type(e).__name__}: {e}"}) from e
 
 
@@ -170,7 +170,7 @@ async def _gather_bounded(aws: list, timeout_s: float, on_failure=None, grace_s:
     return outs
 
 
-async def _abort(link: Link) -> None:
+async def abort_link(link: Link) -> None:
     """Tear down rank 0's side of a failed group at once. Dropping the last reference to the gloo
     process group closes its connections, which wakes engines still blocked in a receive of this
     bucket (their requests then fail now instead of at their own, possibly long, timeout);

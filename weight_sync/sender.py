@@ -31,7 +31,7 @@ from rollout_manager.engine_client import EngineClient, EngineError
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
-from weight_sync.link import Link, PushFailed, close_link, open_link, send_bucket, wait_transfer
+from weight_sync.link import Link, PushFailed, abort_link, close_link, open_link, send_bucket, wait_transfer
 from weight_sync.plan import check_against_engine, check_tensors, plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -350,7 +350,9 @@ class WeightSender:
                 e.version = None
         if self._link is not None:
             link, self._link = self._link, None
-            await close_link(link, self.settings.timeout_s,
+            if not link.broken:  # abort, not a graceful shutdown: NCCL's would wait for dead peers
+                await abort_link(link)
+            await close_link(link, min(self.settings.timeout_s, 10.0),
                              urls_alive={e.url for e, ok in zip(members, healthy) if ok})
 
     async def _resync(self, e: EngineState, named_tensors, version) -> dict[str, float]:
