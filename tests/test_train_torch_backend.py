@@ -9,7 +9,7 @@ import torch
 
 from _fixtures_train import hf_log_probs, make_groups, settings, weights
 from buffer.sample import Status
-from train_backend import create_backend
+from train_backend import TrainBackend, create_backend
 from train_backend.torch_backend import TorchBackend
 
 
@@ -31,7 +31,7 @@ def test_step0_log_probs_match_an_hf_forward(toy_model_dir, groups):
     samples += [s.copy(tokens=s.tokens[-(s.response_length + 2):]) for s in samples[:4]]
     for max_tokens in (10_000, 40):  # one packed row, and many small micro-batches
         b = create_backend(settings(toy_model_dir, rollout_temperature=0.7, max_tokens_per_micro_batch=max_tokens))
-        assert isinstance(b, TorchBackend)
+        assert isinstance(b, TorchBackend) and isinstance(b, TrainBackend)
         got = b.compute_log_probs(samples)
         for s, lp in zip(samples, got):
             assert len(lp) == s.response_length
