@@ -54,3 +54,19 @@ def wrapped_rollout(args, rollout_id, data_source, evaluation=False):
         for s in g:
             s.metadata["wrapped"] = rollout_id
     return groups
+
+
+async def wait_inflight(manager: RolloutManager, n: int, settle: float = 0.15, timeout: float = 30.0) -> None:
+    """Wait until ``n`` requests hold the manager's concurrency slots (sent or about to be), then
+    ``settle`` seconds for them to reach the engines: fault tests act mid-request, not by luck."""
+    import asyncio
+    import time
+
+    sem = manager.ctx.semaphore
+    total = manager.settings.sampling.sglang_server_concurrency * len(manager.engine_urls)
+    deadline = time.monotonic() + timeout
+    while total - sem._value < n:  # asyncio.Semaphore has no public counter
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {total - sem._value}/{n} requests in flight after {timeout}s")
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(settle)

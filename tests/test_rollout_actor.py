@@ -43,7 +43,7 @@ def test_actor_produces_into_buffer(ray_local, toy_model_dir):  # noqa: F811
 def test_engines_in_ray_placement_group(ray_local, toy_model_dir):  # noqa: F811
     import asyncio
 
-    from _fixtures_rollout import running_manager
+    from _fixtures_rollout import running_manager, wait_inflight
     from ray.util import placement_group_table
 
     from buffer.sample import Status
@@ -56,7 +56,7 @@ def test_engines_in_ray_placement_group(ray_local, toy_model_dir):  # noqa: F811
         async with running_manager(argv) as m:
             pg_state = placement_group_table(m.fleet._pg)["state"]
             task = asyncio.ensure_future(m.generate(0))
-            await asyncio.sleep(0.15)
+            await wait_inflight(m, 16)
             m.fleet.kill(0)  # the process inside the Ray host actor
             groups, metrics = await asyncio.wait_for(task, 60)
             for _ in range(300):  # up to 30 s

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from _fixtures_rollout import running_manager, toy_argv
+from _fixtures_rollout import running_manager, toy_argv, wait_inflight
 from transformers import AutoTokenizer
 
 from buffer.arrow import read_parquet
@@ -50,7 +50,7 @@ def test_embedded_engine_killed_mid_rollout(toy_model_dir):
                         "--health-check-interval", "0.5")
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
-            await asyncio.sleep(0.5)
+            await wait_inflight(m, 64)
             m.fleet.kill(1)
             groups, metrics = await asyncio.wait_for(task, 120)
             return groups, metrics, list(m.fleet.events)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from _fixtures_rollout import running_manager, toy_argv
+from _fixtures_rollout import running_manager, toy_argv, wait_inflight
 
 from buffer.sample import Status, check_group
 from rollout_manager.engine_client import EngineClient
@@ -89,7 +89,7 @@ def test_partial_rollout_across_weight_update(toy_model_dir):
                         "--partial-rollout", *extra)
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
-            await asyncio.sleep(0.4)
+            await wait_inflight(m, 6)
             await m.pause()
             for url in m.engine_urls:
                 async with EngineClient(url, timeout=10) as c:
@@ -110,7 +110,7 @@ def test_engine_killed_mid_rollout_no_loss_no_duplicates(toy_model_dir):
                         "--n-samples-per-prompt", "4", "--rollout-batch-size", "16")
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
-            await asyncio.sleep(0.3)  # 64 requests in flight, about half on engine 0
+            await wait_inflight(m, 64)  # about half of them on engine 0
             m.fleet.kill(0)
             groups, metrics = await asyncio.wait_for(task, 60)
             deadline = time.monotonic() + 30
@@ -149,7 +149,7 @@ def test_hung_engine_is_replaced(toy_model_dir):
                         "--n-samples-per-prompt", "4", "--rollout-batch-size", "8")
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
-            await asyncio.sleep(0.1)
+            await wait_inflight(m, 32)
             os.kill(m.fleet.engines[0].process.pid, signal.SIGSTOP)  # alive but not answering
             groups, metrics = await asyncio.wait_for(task, 60)
             for _ in range(300):  # up to 30 s for the replacement to come up
@@ -213,7 +213,7 @@ def test_engine_side_pause_like_weight_sync(toy_model_dir):
                         "--partial-rollout")
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
-            await asyncio.sleep(0.4)
+            await wait_inflight(m, 4)
             clients = [EngineClient(u, timeout=10) for u in m.engine_urls]
             await asyncio.gather(*(c.pause_generation("abort") for c in clients))
             await asyncio.sleep(0.5)  # the retried requests wait in the paused engines
