@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; tiny 128)")
     ap.add_argument("--num-seqs", type=int, default=16, help="sequences per training step")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per backend (after one warm-up)")
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                    help="micro-batch size in tokens (default 4 sequences: small models are launch-bound)")
     ap.add_argument("--backends", default="megatron,torch")
+    ap.add_argument("--profile", action="store_true", help="print each backend's top kernels for one extra step")
     ap.add_argument("--max-logprob-diff", type=float, default=None,
                     help="self-check bound on the mean |logp_megatron - logp_torch| (default 0.05 bf16, 1e-4 fp32)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     metrics: dict[str, Any] = {"peak_matmul_tflops": round(peak, 2), "flops_per_token": fpt, "seq_len": seq,
-                               "tokens_per_step": tokens, "dtype": dtype}
+                               "tokens_per_step": tokens, "dtype": dtype,
+                               "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch or 4 * seq}
     logps: dict[str, list[list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
         hf.save_pretrained(tmp)
         del hf
         settings = TrainSettings(hf_checkpoint=tmp, backend="torch", device=str(device), dtype=dtype, lr=1e-6,
-                                 max_tokens_per_micro_batch=seq, global_batch_size=None)
+                                 max_tokens_per_micro_batch=args.max_tokens_per_micro_batch or 4 * seq,
+                                 global_batch_size=None)
         for name in backends:
             if name == "megatron":
                 from train_backend.megatron import create_megatron_backend
@@ -170,6 +175,16 @@ def main(argv: list[str] | None = None) -> dict:
                 raise ValueError(f"--backends: unknown backend {name!r}")
             logps[name] = backend.compute_log_probs(check)  # before any update: same weights
             times = time_steps(backend, groups, args.steps, device, tokens)
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    backend.train_step(groups, args.steps + 1)
+                    _sync(device)
+                key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+                print(f"--- {name}: top ops by {key}")
+                print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
             step_s = statistics.median(times)
             tps = tokens / step_s
             metrics[f"{name}_step_s"] = round(step_s, 4)

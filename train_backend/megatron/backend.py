@@ -20,10 +20,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.transformer.module import Float16Module
 
 from buffer.sample import Sample
 from train_backend.batching import RolloutBatch, balance, pack, prepare_batch, split_steps
@@ -120,7 +119,11 @@ class MegatronBackend:
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
 
     def _build(self, reader: checkpoint.HFCheckpointReader) -> torch.nn.Module:
-        """This stage's model with the HF weights, on the device (bf16 under Float16Module)."""
+        """This stage's model with the HF weights, on the device.
+
+        bf16 parameters are created as such (``params_dtype``); no Float16Module wrapper, whose
+        only effect here would be an fp32 copy of the full ``[b, T, V]`` logits: the loss casts
+        just the response positions."""
         use_te = {"auto": None, "local": False, "transformer_engine": True}[self.mcfg.transformer_impl]
         if use_te and not mmodel.HAVE_TE:
             raise ValueError("--transformer-impl=transformer_engine but TransformerEngine is not installed")
@@ -128,10 +131,9 @@ class MegatronBackend:
             # megatron-core's local (torch) norms refuse sequence parallelism
             raise ValueError("--sequence-parallel needs TransformerEngine layers (--transformer-impl)")
         model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te).to(self.device)
-        checkpoint.load_hf_weights(model, reader, self.dims)
         if self.dtype == torch.bfloat16:
-            # Float16Module: the pipeline's last stage hands fp32 logits to the loss.
-            model = Float16Module(self.config, model)
+            model.bfloat16()  # megatron-core's torch norms ignore params_dtype
+        checkpoint.load_hf_weights(model, reader, self.dims)
         return model
 
     # --- batching -----------------------------------------------------------------------------
@@ -170,11 +172,14 @@ class MegatronBackend:
         packed = mb.extra["packed"]
         flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
         temp = self.settings.rollout_temperature
-        logp = forward.flat_log_probs(flat, packed.targets, self.dims.vocab_size, temp)  # [N]
+        x = forward.masked_vocab_logits(flat, self.dims.vocab_size, temp)  # [N, Vp/tp] fp32, fresh
         ent = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = forward.flat_entropy(flat if entropy_grad else flat.detach(), self.dims.vocab_size, temp)  # [N]
+        if with_entropy and entropy_grad:
+            ent = forward.flat_entropy(flat, self.dims.vocab_size, temp)  # [N], its own graph
+        elif with_entropy:
+            with torch.no_grad():  # a metric only: read x before the cross entropy shifts it in place
+                ent = forward.entropy_of_masked(x)  # [N]
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(x, packed.targets)  # [N]
         return logp, ent
 
     def _forward_only(self, model: torch.nn.Module, mbs: list[forward.MicroBatch]) -> list[torch.Tensor | None]:

@@ -97,17 +97,22 @@ def run_pipeline(model: list[torch.nn.Module], micro_batches: list[MicroBatch], 
 
 
 def masked_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-    """fp32 ``logits / temperature`` with this TP rank's padded-vocabulary columns set to -inf.
+    """A fresh fp32 ``logits / temperature`` with this TP rank's padded-vocabulary columns at -inf.
 
-    logits: ``[..., V_padded / tp]`` (this rank's vocabulary slice).
+    logits: ``[..., V_padded / tp]`` (this rank's vocabulary slice, any float dtype). The result
+    never aliases ``logits``, so callers may modify it in place (megatron's vocab-parallel cross
+    entropy does).
     """
-    out = logits.float() / temperature  # [..., Vp/tp]
+    if temperature == 1.0:
+        out = logits.to(torch.float32, copy=True)  # [..., Vp/tp]
+    else:
+        out = logits.float() / temperature  # [..., Vp/tp]
     part = out.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * part
     n_pad = max(0, min(part, start + part - vocab_size))
     if n_pad:
         # Padding rows are not real tokens: keep them out of the softmax (as HF/the engine do).
-        # In place: ``out`` is a fresh tensor and the division's backward does not need it.
+        # In place: ``out`` is fresh and neither the copy's nor the division's backward needs it.
         out[..., part - n_pad:] = float("-inf")
     return out
 
@@ -136,15 +141,21 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
 def flat_entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
     """Entropy of the tempered next-token distribution, ``[..., Vp/tp]`` -> ``[...]`` (TP-exact,
     differentiable)."""
-    x = masked_vocab_logits(logits, vocab_size, temperature)  # [..., Vp/tp]
+    return entropy_of_masked(masked_vocab_logits(logits, vocab_size, temperature))
+
+
+def entropy_of_masked(x: torch.Tensor) -> torch.Tensor:
+    """Entropy from :func:`masked_vocab_logits`' output ``[..., Vp/tp]`` -> ``[...]`` (reads ``x`` only)."""
     group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
         m = x.max(dim=-1, keepdim=True).values  # [..., 1]
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = torch.nan_to_num(x - m, neginf=0.0)  # [..., Vp/tp]; padded columns -> 0
     e = torch.exp(x - m)  # [..., Vp/tp]; padded columns -> 0
     reduce = tensor_parallel.reduce_from_tensor_model_parallel_region
     z = reduce(e.sum(-1))  # [...]
-    ex = reduce((e * torch.nan_to_num(x - m, neginf=0.0)).sum(-1))  # [...]
+    ex = reduce((e * shifted).sum(-1))  # [...]
     return torch.log(z) - ex / z  # [...]
 
 
@@ -155,4 +166,4 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 __all__ = ["MicroBatch", "make_micro_batches", "run_pipeline", "token_log_probs", "flat_log_probs", "flat_entropy",
-           "gather_vocab", "masked_vocab_logits"]
+           "entropy_of_masked", "gather_vocab", "masked_vocab_logits"]
