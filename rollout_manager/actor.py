@@ -56,13 +56,21 @@ class RolloutManagerActor:
     async def push(self, rollout_id: int, buffer: Any) -> dict[str, float]:
         return await self._m.push(rollout_id, _buffer(buffer))
 
-    async def run_async(self, start_rollout_id: int, num_rollout: int, buffer: Any) -> list[dict[str, float]]:
+    async def run_async(self, start_rollout_id: int, num_rollout: int, buffer: Any,
+                        max_weight_staleness: int | None = None) -> list[dict[str, float]]:
         """Produce rollouts ``start..start+num_rollout-1`` into the buffer; ``stop_async`` ends it early
-        (after the step in progress). Returns each step's metrics."""
+        (after the step in progress). Returns each step's metrics.
+
+        With ``max_weight_staleness`` K, rollout k starts only once the buffer's weight version is
+        >= k - K: the producer runs at most K steps ahead of the trainer, so its groups are fresh
+        enough when their turn comes instead of being generated only to be dropped as stale."""
         handle = _buffer(buffer)
         self._stop_async = False
         out = []
         for rid in range(start_rollout_id, start_rollout_id + num_rollout):
+            if max_weight_staleness is not None:
+                while not self._stop_async and await handle.get_weight_version.remote() < rid - max_weight_staleness:
+                    await asyncio.sleep(0.02)
             if self._stop_async:
                 break
             out.append(await self._m.push(rid, handle))

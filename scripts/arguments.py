@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from config import load_config_defaults
 
@@ -36,7 +37,7 @@ class LauncherSettings:
     colocate: bool = False
     no_plots: bool = False
     build_toy_model: bool = False
-    toy_warmup_steps: int = 150
+    toy_warmup_steps: int = 60
 
 
 def _part_modules():
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--colocate", action="store_true", default=d.colocate,
                    help="trainer and engines share GPUs (engines release memory while training)")
     g.add_argument("--no-plots", action="store_true", default=d.no_plots, help="skip the PNG plots at the end")
-    g.add_argument("--build-toy-model", action="store_true", default=d.build_toy_model,
+    g.add_argument("--build-toy-model", action=argparse.BooleanOptionalAction, default=d.build_toy_model,
                    help="build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is missing")
     g.add_argument("--toy-warmup-steps", type=int, default=d.toy_warmup_steps,
                    help="supervised warm-up steps when --build-toy-model builds it")
@@ -113,6 +114,12 @@ def validate(args: argparse.Namespace) -> None:
     """Cross-part checks; each part's own checks run in its ``settings_from_args``."""
     for module in _part_modules():
         module.settings_from_args(args)
+    ckpt = args.hf_checkpoint
+    if not ckpt:
+        raise ValueError("--hf-checkpoint is required (the model to train and serve)")
+    if not args.build_toy_model and not Path(ckpt, "config.json").is_file():
+        raise ValueError(f"--hf-checkpoint {ckpt}: no HF checkpoint there (config.json missing); "
+                         "--build-toy-model builds the toy model at that path")
     if args.debug_rollout_only and args.debug_train_only:
         raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
     if args.debug_train_only and not args.load_debug_rollout_data:

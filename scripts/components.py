@@ -36,6 +36,7 @@ class Run:
         self._pending: dict[str, float] = {}
         self._timers: dict[str, float] = {}
         self._async_ref = None
+        self._owns_ray = False
         self.max_staleness = args.max_weight_staleness or 0
         self.is_async = self.max_staleness > 0 and not (self.s.debug_rollout_only or self.s.debug_train_only)
 
@@ -79,6 +80,7 @@ class Run:
         from rollout_manager.actor import create_rollout_manager_actor
 
         if not ray.is_initialized():
+            self._owns_ray = True
             ray.init(address=self.s.ray_address, include_dashboard=False, log_to_driver=True,
                      configure_logging=True, logging_level="WARNING")
         bs = buffer_settings(self.args)
@@ -113,17 +115,22 @@ class Run:
                     initial=self.start_step, total=self.args.num_rollout, dynamic_ncols=True)
 
     def start_async_rollout(self) -> None:
-        """Async mode: the rollout manager produces all remaining steps into the buffer."""
-        self._async_ref = self.rollout.run_async.remote(self.start_step, self.args.num_rollout - self.start_step,
-                                                        self.buffer)
+        """Async mode: the rollout manager produces into the buffer, at most K steps ahead of
+        the trainer, until ``finish`` stops it (groups dropped as stale are made up for)."""
+        self._async_ref = self.rollout.run_async.remote(self.start_step, 1 << 40, self.buffer,
+                                                        self.max_staleness)
 
     def generate(self, step: int) -> None:
-        """Sync mode: fill the buffer with this step's groups (unless a resumed buffer holds them)."""
+        """Sync mode: put this step's groups into the buffer.
+
+        The put is tagged ``rollout-{step}``: after a resume, the step that was in flight at the
+        crash is generated again from the checkpointed data position, and the buffer stores it
+        only if the first attempt never reached it. So the data position stays exact too.
+        """
         import ray
 
         with self._timer("perf/rollout_time"):
-            if ray.get(self.buffer.size.remote()) < self.args.rollout_batch_size:
-                self._pending.update(ray.get(self.rollout.push.remote(step, self.buffer)))
+            self._pending.update(ray.get(self.rollout.push.remote(step, self.buffer)))
 
     def get_batch(self, step: int) -> list[list[Any]]:
         """Take this step's groups: from the buffer, or from a debug dump (--debug-train-only)."""
@@ -219,7 +226,7 @@ class Run:
             self.logger.close()
             if not self.s.no_plots and (self.output_dir / "metrics.jsonl").exists():
                 plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir)
-        if ray.is_initialized() and self.s.ray_address is None:
+        if self._owns_ray:
             ray.shutdown()
 
     # --- resume --------------------------------------------------------------------------

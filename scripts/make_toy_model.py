@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--num-layers", type=int, default=2)
-    ap.add_argument("--max-operand", type=int, default=20, help="operands are drawn from [0, max-operand)")
+    ap.add_argument("--max-operand", type=int, default=10, help="operands are drawn from [0, max-operand)")
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-eval", type=int, default=64)
     ap.add_argument("--warmup-steps", type=int, default=0, help="supervised warm-up steps (0 = none)")
