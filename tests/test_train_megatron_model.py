@@ -115,3 +115,27 @@ def test_sdpa_attention_matches_naive_causal_attention() -> None:
     assert torch.allclose(out[:4], naive(q[:4, :1], k[:4, :1], v[:4, :1]), atol=1e-5)
     assert torch.allclose(out[4:9], naive(q[4:9, :1], k[4:9, :1], v[4:9, :1]), atol=1e-5)
     assert out.shape == (s, 1, 64)
+
+
+def test_cpu_compat_maps_cuda_to_cpu_and_is_undone() -> None:
+    """Inside cpu_mode megatron's CUDA calls land on the CPU; outside it nothing is changed."""
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from train_backend.megatron import cpu_compat
+
+    before = (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork)
+    with cpu_compat.cpu_mode():
+        x = torch.zeros(3, device="cuda")
+        y = torch.ones(2, device=torch.cuda.current_device()).cuda().to(torch.cuda.current_device())
+        assert x.device.type == "cpu" and y.device.type == "cpu"
+        assert x.type() == "torch.cuda.FloatTensor"  # megatron's optimizer asserts on this name
+        tracker = mrandom.CudaRNGStatesTracker()
+        tracker.add("t", 123)
+        with tracker.fork("t"):
+            a = torch.rand(2)
+        with tracker.fork("t"):
+            b = torch.rand(2)
+        assert not torch.equal(a, b)  # the forked generator advanced
+    assert (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork) == before
+    assert torch.zeros(1).type() == "torch.FloatTensor"
