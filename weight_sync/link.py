@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,11 @@ class Link:
     device: torch.device
     flattened: bool
     broken: bool = False  # rank 0's side was aborted after a failure
+    # CPU only: two reused packing buffers (fresh multi-MB allocations come back from the OS as new
+    # pages, and faulting them in cost more than the copy itself). Bucket k packs into slot k % 2;
+    # gloo transfers are complete when send_bucket returns, so slot k % 2 is free again at k + 2.
+    _staging: list = field(default_factory=lambda: [None, None])
+    _packs: int = 0
 
     @property
     def urls(self) -> list[str]:
@@ -58,8 +63,21 @@ class Link:
             if self.flattened:
                 if len(ts) == 1 and ts[0].is_contiguous():
                     return [ts[0].reshape(-1)]  # [numel], a view: a lone tensor needs no packing copy
+                if device.type == "cpu":
+                    return [self._pack_cpu(ts, bucket.nbytes)]
                 return [flatten_bucket(ts)]  # [sum of numels], the bucket's dtype
             return [t.contiguous() for t in ts]
+
+
+    def _pack_cpu(self, ts: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+        slot = self._packs % 2
+        self._packs += 1
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8)  # [bytes]
+        flat = buf[:nbytes].view(ts[0].dtype)  # [sum of numels]
+        torch.cat([t.reshape(-1) for t in ts], out=flat)
+        return flat
 
 
 async def open_link(settings: WeightSyncSettings, members: list[tuple[str, int, EngineClient]], name: str) -> Link:
