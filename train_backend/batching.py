@@ -163,6 +163,10 @@ class PackedMicroBatch:
     rollout_mask: Tensor  # [N] 1 where the engine reported a log-prob
     response_lengths: list[int]  # per sequence, to split [N] back into sequences
     num_tokens: int = 0  # real (non-padding) tokens in the rows
+    # several rows: the columns whose logits some row needs [K], and each token's place among them [N]
+    # (computed here, on the host: torch.unique on an accelerator would synchronize it)
+    keep_columns: Tensor | None = None
+    keep_inverse: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -220,6 +224,9 @@ def pack(samples: list[Sample], advantages: list[float] | None = None, row_len: 
     rollout = [x for s, r in zip(samples, rl) for x in (s.rollout_log_probs or [0.0] * r)]
     have = [s.rollout_log_probs is not None for s in samples]
     counts = torch.tensor(rl)  # [S]
+    keep_columns = keep_inverse = None
+    if len(rows) > 1:
+        keep_columns, keep_inverse = torch.unique(logit_index % T, return_inverse=True)  # [K], [N]
     return PackedMicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -234,4 +241,6 @@ def pack(samples: list[Sample], advantages: list[float] | None = None, row_len: 
         rollout_mask=torch.repeat_interleave(torch.tensor(have, dtype=torch.float32), counts),  # [N]
         response_lengths=rl,
         num_tokens=sum(lengths),
+        keep_columns=keep_columns,
+        keep_inverse=keep_inverse,
     )

@@ -111,10 +111,9 @@ class TorchBackend:
                             use_cache=False)
                 logits = out.logits[0]  # [N, V]
             else:  # keep the columns any row needs, then pick each token's (row, column)
-                keep, inverse = torch.unique(mb.logit_index % width, return_inverse=True)  # [K], [N]
-                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=keep,
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_columns,
                             use_cache=False)
-                logits = out.logits[mb.logit_index // width, inverse]  # [N, V]
+                logits = out.logits[mb.logit_index // width, mb.keep_inverse]  # [N, V]
         temp = self.settings.rollout_temperature
         logp, entropy = log_probs_from_logits(logits, mb.targets, temp, with_entropy and entropy_grad)
         if with_entropy and not entropy_grad:
@@ -168,6 +167,7 @@ class TorchBackend:
             dummy = self._pack([batch.samples[idx[0]]], [0.0])
             dummy.loss_mask.zero_()
             dummy.rollout_mask.zero_()
+            dummy.num_tokens = 0
             mbs.append(dummy)
         return mbs
 
@@ -210,16 +210,21 @@ class TorchBackend:
                 loss, stats = rl_loss(self.loss_cfg, denom, logp, old_logp, mb.advantages, mb.loss_mask, mb.seq_ids,
                                       mb.num_seqs, entropy=entropy, ref_logp=None if ref is None else ref[k][j],
                                       rollout_logp=mb.rollout_logp, rollout_mask=mb.rollout_mask)
-                if not torch.isfinite(loss):
-                    self.optimizer.zero_grad(set_to_none=True)  # no half-accumulated step leaks into the next
-                    raise RuntimeError(f"train_step {step}: non-finite loss {loss.item()} in optimizer step {k}, "
-                                       f"micro-batch {j}; the weights were not updated")
                 # FSDP averages gradients over ranks; the loss is already a sum over the whole
                 # step's tokens, so scale back up to get the sum.
                 (loss * self.world_size).backward()
+                step_loss = loss.detach() if j == 0 else step_loss + loss.detach()
                 for name, v in stats.items():
                     sums[name] = sums.get(name, torch.zeros((), device=self.device)) + v.detach().float()
-                tokens += mb.num_tokens if mb.loss_mask.any() else 0  # zero-weight fillers do not count
+                tokens += mb.num_tokens  # zero-weight fillers count 0
+            # checked once per optimizer step (a check per micro-batch would stall an accelerator),
+            # on the sum over ranks so that every rank takes the same branch
+            if self.distributed:
+                dist.all_reduce(step_loss)
+            if not torch.isfinite(step_loss):
+                self.optimizer.zero_grad(set_to_none=True)  # no half-accumulated step leaks into the next
+                raise RuntimeError(f"train_step {step}: non-finite loss {step_loss.item()} in optimizer step {k}; "
+                                   "the weights were not updated")
             grad_norms.append(self._optimizer_step(step, k))
         metrics.update(self._reduce(sums, len(steps), tokens))
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
