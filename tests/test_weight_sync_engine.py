@@ -120,6 +120,20 @@ def test_mismatch_is_refused_before_anything_is_sent(engines, ws_toy_model):  # 
     assert [_version(u) for u in engines] == ["7", "7"]
 
 
+def test_connect_errors_leave_the_sender_reusable(engines, ws_toy_model):  # noqa: F811
+    from weight_sync._loop import free_port
+
+    with WeightSender(WeightSyncSettings(timeout_s=5)) as sender:
+        with pytest.raises(ValueError, match="engine_urls"):
+            sender.connect([])
+        with pytest.raises(RuntimeError, match="cannot fetch its parameter list"):
+            sender.connect([engines[0], f"http://127.0.0.1:{free_port()}"])  # nothing listens there
+        with pytest.raises(RuntimeError, match="not connected"):
+            sender.push([("x", torch.zeros(1))], version=1)
+        sender.connect(engines)  # a retry after the failure works
+        assert sender.push(perturbed_model(ws_toy_model, 1.0).named_parameters(), 3)["weight_sync/engines"] == 2
+
+
 def test_disk_transport(engines, ws_toy_model, tmp_path):  # noqa: F811
     new = perturbed_model(ws_toy_model, 0.9)
     s = WeightSyncSettings(transport="disk", disk_dir=str(tmp_path / "ckpts"), hf_checkpoint=str(ws_toy_model),

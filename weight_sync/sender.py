@@ -91,7 +91,14 @@ class WeightSender:
             raise ValueError(f"engine_gpus {engine_gpus}: need one count >= 1 per engine url")
         if len(set(engine_urls)) != len(engine_urls):
             raise ValueError(f"engine_urls {engine_urls}: duplicate url")
-        self._loop.run(self._connect(engine_urls, gpus), timeout=self._outer_timeout())
+        try:
+            self._loop.run(self._connect(engine_urls, gpus), timeout=self._outer_timeout())
+        except BaseException as e:  # leave the sender unconnected, so connect() can be retried
+            self._loop.run(self._close(), timeout=self.settings.timeout_s + 5)
+            self.engines = []
+            if isinstance(e, (ValueError, RuntimeError)):
+                raise
+            raise RuntimeError(f"connect: {type(e).__name__}: {e}") from e
 
     def push(self, named_tensors: NamedTensors, version: int,
              progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
