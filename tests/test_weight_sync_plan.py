@@ -65,6 +65,7 @@ def test_settings_validate_names_the_field():
     WeightSyncSettings().validate()
     for kw, field in [({"transport": "rdma"}, "transport"), ({"bucket_bytes": 0}, "bucket_bytes"),
                       ({"backend": "mpi"}, "backend"), ({"transport": "disk"}, "disk_dir"),
+                      ({"transport": "disk", "disk_dir": "/x"}, "hf_checkpoint"),
                       ({"timeout_s": 0}, "timeout_s"), ({"load_format": "x"}, "load_format")]:
         with pytest.raises(ValueError, match=field):
             WeightSyncSettings(**kw).validate()
@@ -82,5 +83,7 @@ def test_flags_roundtrip_and_errors_name_the_flag():
     assert (s.transport, s.disk_dir, s.bucket_bytes, s.check_equal, s.hf_checkpoint) == ("disk", "/x", 1024, True, "/m")
     with pytest.raises(ValueError, match="--update-weight-disk-dir"):
         settings_from_args(p.parse_args(["--update-weight-transport", "disk"]))
+    with pytest.raises(ValueError, match="--hf-checkpoint"):
+        settings_from_args(p.parse_args(["--update-weight-transport", "disk", "--update-weight-disk-dir", "/x"]))
     with pytest.raises(ValueError, match="--update-weight-buffer-size"):
         settings_from_args(p.parse_args(["--update-weight-buffer-size", "-1"]))

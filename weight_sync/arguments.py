@@ -49,7 +49,7 @@ _FLAG_OF = {"transport": "--update-weight-transport", "backend": "--update-weigh
             "pause_mode": "--update-weight-pause-mode", "master_port": "--update-weight-master-port",
             "group_name": "--update-weight-group-name", "timeout_s": "--update-weight-timeout",
             "retries": "--update-weight-retries", "disk_dir": "--update-weight-disk-dir",
-            "disk_keep": "--update-weight-disk-keep"}
+            "disk_keep": "--update-weight-disk-keep", "hf_checkpoint": "--hf-checkpoint"}
 
 
 def settings_from_args(args: argparse.Namespace) -> WeightSyncSettings:

@@ -88,6 +88,10 @@ class WeightSyncSettings:
             raise ValueError(f"disk_keep {self.disk_keep}: must be >= 1")
         if self.transport == "disk" and not self.disk_dir:
             raise ValueError("disk_dir: required when transport is 'disk'")
+        if self.transport == "disk" and not self.hf_checkpoint:
+            # the written checkpoint copies its config/tokenizer: engines that load with
+            # from_pretrained (the embedded engine) need them next to the weights
+            raise ValueError("hf_checkpoint: required when transport is 'disk'")
         if not self.group_name:
             raise ValueError("group_name: must not be empty")
 
