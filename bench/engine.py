@@ -26,6 +26,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from typing import Any
+
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +64,9 @@ def make_prompts(n: int, seed: int, lo: int = 8, hi: int = 24) -> list[list[int]
             for _ in range(n)]
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
-    """transformers' batched generate (left padding); returns seconds."""
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, with_cpu: bool = False) -> Any:
+    """transformers' batched generate (left padding); returns seconds (and CPU seconds of this
+    process, which runs nothing else meanwhile, if ``with_cpu``)."""
     T = max(map(len, prompts))
     ids = torch.zeros((len(prompts), T), dtype=torch.long)  # [B, T]
     mask = torch.zeros((len(prompts), T), dtype=torch.long)  # [B, T]
@@ -71,14 +75,16 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
         mask[i, T - len(p):] = 1
     ids, mask = ids.to(model.device), mask.to(model.device)
     _sync(model.device)
+    cpu = time.process_time()
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                              max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=0)
     _sync(model.device)
     dt = time.perf_counter() - t
+    cpu = time.process_time() - cpu
     assert out.shape[1] == T + new_tokens
-    return dt
+    return (dt, cpu) if with_cpu else dt
 
 
 def _sync(device: torch.device) -> None:
@@ -86,38 +92,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def engine_generate(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+async def _client(url: str) -> EngineClient:
+    return EngineClient(url, timeout=600)
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def engine_generate(c: EngineClient, prompts: list[list[int]], new_tokens: int,
+                          proc: psutil.Process | None = None) -> tuple[float, float]:
+    """Send the prompts concurrently; returns (wall seconds, engine-process CPU seconds)."""
     sp = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    async with EngineClient(url, timeout=600) as c:
-        t = time.perf_counter()
-        rs = await asyncio.gather(*[c.generate(input_ids=p, sampling_params=sp, return_logprob=True)
-                                    for p in prompts])
-        dt = time.perf_counter() - t
+    cpu = _cpu_s(proc) if proc else 0.0
+    t = time.perf_counter()
+    rs = await asyncio.gather(*[c.generate(input_ids=p, sampling_params=sp, return_logprob=True)
+                                for p in prompts])
+    dt = time.perf_counter() - t
+    cpu = (_cpu_s(proc) - cpu) if proc else 0.0
     assert all(r["meta_info"]["completion_tokens"] == new_tokens for r in rs)
-    return dt
+    return dt, cpu
 
 
-async def short_latency(url: str, n_long: int, long_tokens: int, n_short: int) -> dict:
+async def short_latency(c: EngineClient, n_long: int, long_tokens: int, n_short: int) -> dict:
     """Latency of 4-token requests sent one after another while ``n_long`` long requests run."""
-    async with EngineClient(url, timeout=600) as c:
-        idle = []
-        for p in make_prompts(5, 7):
-            t = time.perf_counter()
-            await c.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-            idle.append(time.perf_counter() - t)
-        longs = [asyncio.create_task(c.generate(input_ids=p, sampling_params={
-            "max_new_tokens": long_tokens, "ignore_eos": True})) for p in make_prompts(n_long, 8)]
-        while (await c.request("GET", "/get_load"))[0]["num_running_reqs"] < n_long:
-            await asyncio.sleep(0.005)
-        lat = []
-        for p in make_prompts(n_short, 9):
-            t = time.perf_counter()
-            await c.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-            lat.append(time.perf_counter() - t)
-        overlapped = sum(not x.done() for x in longs)
+    # one client (a warm connection pool) for the whole run, as a rollout manager keeps one
+    idle = []
+    for p in make_prompts(5, 7):
         t = time.perf_counter()
-        await asyncio.gather(*longs)
-        rest = time.perf_counter() - t
+        await c.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        idle.append(time.perf_counter() - t)
+    longs = [asyncio.create_task(c.generate(input_ids=p, sampling_params={
+        "max_new_tokens": long_tokens, "ignore_eos": True})) for p in make_prompts(n_long, 8)]
+    while (await c.request("GET", "/get_load"))[0]["num_running_reqs"] < n_long:
+        await asyncio.sleep(0.005)
+    lat = []
+    for p in make_prompts(n_short, 9):
+        t = time.perf_counter()
+        await c.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        lat.append(time.perf_counter() - t)
+    overlapped = sum(not x.done() for x in longs)
+    t = time.perf_counter()
+    await asyncio.gather(*longs)
+    rest = time.perf_counter() - t
     lat.sort()
     return {"p50_s": statistics.median(lat), "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
             "idle_p50_s": statistics.median(idle), "long_still_running_after_shorts": overlapped,
@@ -138,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     # RL rollouts are decode-heavy (responses longer than prompts): the larger model gets short
     # prompts so that the run measures decoding more than prefill
-    plan = {"toy": {"new_tokens": 128, "reps": args.reps, "prompt": (8, 24), "long": 200, "n_long": 16, "n_short": 20},
+    plan = {"toy": {"new_tokens": 200, "reps": args.reps, "prompt": (8, 24), "long": 200, "n_long": 16, "n_short": 20},
             "llama110m": {"new_tokens": 32, "reps": max(1, args.reps - 1), "prompt": (4, 8), "long": 64,
                           "n_long": 8, "n_short": 5}}
     if args.quick:
@@ -159,22 +177,36 @@ def main(argv: list[str] | None = None) -> dict:
             nparams = sum(p.numel() for p in hf.parameters())
             proc, url = launch_engine_process(es, timeout_s=300)
             try:
-                asyncio.run(engine_generate(url, make_prompts(4, 0), 2))  # warm-up
+                eproc = psutil.Process(proc.pid)
+                # one event loop and one client (a warm connection pool) for the whole run
+                loop = asyncio.new_event_loop()
+                client = loop.run_until_complete(_client(url))
+                loop.run_until_complete(engine_generate(client, make_prompts(64, 0), 2))  # warm-up, 64 connections
                 hf_generate(hf, make_prompts(4, 0), 2)
                 for conc in (1, 8, 64):
                     prompts = make_prompts(conc, conc, *cfg["prompt"])
                     tokens = conc * cfg["new_tokens"]
                     t_ours, t_base = [], []
                     for _ in range(cfg["reps"]):  # interleaved, so both sides see the same machine load
-                        t_ours.append(asyncio.run(engine_generate(url, prompts, cfg["new_tokens"])))
-                        t_base.append(hf_generate(hf, prompts, cfg["new_tokens"]))
-                    ours, base = statistics.median(t_ours), statistics.median(t_base)
-                    m = {"ours_tok_s": tokens / ours, "hf_tok_s": tokens / base, "ratio": base / ours}
+                        t_ours.append(loop.run_until_complete(engine_generate(client, prompts, cfg["new_tokens"],
+                                                                              eproc)))
+                        t_base.append(hf_generate(hf, prompts, cfg["new_tokens"], with_cpu=True))
+                    ours, base = (statistics.median(x[0] for x in t_ours), statistics.median(x[0] for x in t_base))
+                    ours_cpu, base_cpu = (statistics.median(x[1] for x in t_ours),
+                                          statistics.median(x[1] for x in t_base))
+                    # CPU seconds are less sensitive to other processes on a shared box than wall time
+                    m = {"ours_tok_s": tokens / ours, "hf_tok_s": tokens / base, "ratio": base / ours,
+                         "ours_tok_per_cpu_s": tokens / ours_cpu, "hf_tok_per_cpu_s": tokens / base_cpu,
+                         "cpu_ratio": base_cpu / ours_cpu, "new_tokens": cfg["new_tokens"], "reps": cfg["reps"]}
                     metrics[f"{name}_c{conc}"] = m
                     rows.append((name, conc, m))
                     print(f"{name:10s} c={conc:3d}  ours {m['ours_tok_s']:9.1f} tok/s   transformers "
-                          f"{m['hf_tok_s']:9.1f} tok/s   ratio {m['ratio']:.2f}", flush=True)
-                lat = asyncio.run(short_latency(url, cfg["n_long"], cfg["long"], cfg["n_short"]))
+                          f"{m['hf_tok_s']:9.1f} tok/s   ratio {m['ratio']:.2f}   (per CPU-second: "
+                          f"{m['ours_tok_per_cpu_s']:.1f} vs {m['hf_tok_per_cpu_s']:.1f}, ratio {m['cpu_ratio']:.2f})",
+                          flush=True)
+                lat = loop.run_until_complete(short_latency(client, cfg["n_long"], cfg["long"], cfg["n_short"]))
+                loop.run_until_complete(client.close())
+                loop.close()
                 # a static batcher (transformers generate) makes a newcomer wait for the batch in flight
                 lat["static_batch_wait_s"] = hf_generate(hf, make_prompts(cfg["n_long"], 8), cfg["long"])
                 metrics[f"{name}_short_latency"] = lat
