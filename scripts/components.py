@@ -95,8 +95,9 @@ class Run:
     def _start_trainer(self) -> None:
         from train_backend import create_backend
         from train_backend.arguments import settings_from_args as train_settings
+        from train_backend.megatron.arguments import settings_from_args as megatron_settings
 
-        self.trainer = create_backend(train_settings(self.args))
+        self.trainer = create_backend(train_settings(self.args), megatron_settings(self.args))
 
     def _connect_weight_sync(self) -> None:
         from weight_sync.arguments import settings_from_args as sync_settings

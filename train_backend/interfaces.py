@@ -9,7 +9,7 @@ packing in :mod:`train_backend.batching`, so they train the same objective on th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
+from typing import Any, TYPE_CHECKING, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -162,8 +162,11 @@ class TrainBackend(Protocol):
         ...
 
 
-def create_backend(settings: TrainSettings) -> TrainBackend:
-    """Build the backend named by ``settings.backend`` (Megatron is imported only when asked for)."""
+def create_backend(settings: TrainSettings, megatron: Any = None) -> TrainBackend:
+    """Build the backend named by ``settings.backend`` (Megatron is imported only when asked for).
+
+    ``megatron``: the ``MegatronSettings`` (parallel layout) for the Megatron backend; None = defaults.
+    """
     if settings.backend == "torch":
         from train_backend.torch_backend import TorchBackend
 
@@ -171,5 +174,5 @@ def create_backend(settings: TrainSettings) -> TrainBackend:
     if settings.backend == "megatron":
         from train_backend.megatron import create_megatron_backend  # type: ignore[attr-defined]
 
-        return create_megatron_backend(settings)
+        return create_megatron_backend(settings, megatron)
     raise ValueError(f"--train-backend={settings.backend!r}: expected one of {', '.join(BACKENDS)}")
