@@ -198,12 +198,17 @@ def test_stalled_engine_does_not_hang_the_trainer(procs, ws_toy_model):  # noqa:
         assert m["weight_sync/attempts"] == 2 and m["weight_sync/engines"] == 1
         assert not sender.engine_status()[urls[1]]["alive"]
         assert _version(urls[0]) == "1"
+        # It answers again: the next push takes it back by itself, both end at the same version.
+        os.kill(es[1][0].pid, signal.SIGCONT)
+        m = sender.push(w.named_parameters(), version=2)
+        assert m["weight_sync/revived"] == 1 and m["weight_sync/engines"] == 2
+        assert [_version(u) for u in urls] == ["2", "2"]
         os.kill(es[1][0].pid, signal.SIGKILL)
         es[1][0].wait()
         # With every engine gone, a push fails within the bound instead of hanging.
         es[0][0].kill()
         es[0][0].wait()
         t = time.monotonic()
-        with pytest.raises(RuntimeError, match="push v2"):
-            sender.push(w.named_parameters(), version=2)
+        with pytest.raises(RuntimeError, match="push v3"):
+            sender.push(w.named_parameters(), version=3)
         assert time.monotonic() - t < 6 * s.timeout_s

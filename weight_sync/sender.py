@@ -12,8 +12,9 @@ A push of version v (transport ``distributed``):
 Only the last bucket carries ``weight_version`` (and ``flush_cache``), so an engine reports v only
 once all of v is in place. If an engine dies or stalls, the push fails within ``timeout_s``; the
 engines still alive stay paused (their weights may be half-updated), the group is rebuilt
-without the dead ones and the whole push is redone, so they end at v together. A dead engine is
-brought back with ``resync``. Re-pushing a version is safe (it overwrites the same values).
+without the dead ones and the whole push is redone, so they end at v together. A dead engine that
+answers ``/health`` again rejoins at the next push (or at once with ``resync``). Re-pushing a
+version is safe (it overwrites the same values).
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ class WeightSender:
 
         With ``named_tensors``: push them to that engine alone at ``version`` (default: the last
         pushed version) right away; the main group is rebuilt to include it at the next push.
-        Without: it rejoins at the next push (until then it serves the weights it has).
+        Without: it rejoins at the next push (until then it serves the weights it has). A push
+        also brings back, by itself, every dead engine that answers ``/health`` again.
         """
         e = self._engine(engine_url)
         if named_tensors is not None and version is None and self.version is None:
@@ -226,10 +228,30 @@ class WeightSender:
         self._link = await self._open(members)
         return self._link
 
+    async def _revive(self, specs: list[TensorSpec]) -> int:
+        """Engines marked dead that answer /health again rejoin now (their parameter list is
+        fetched anew and the push validated against it), so they get this push with the others.
+        Returns how many came back."""
+        dead = [e for e in self.engines if not e.alive]
+        if not dead:
+            return 0
+        healthy = await asyncio.gather(*(e.client.health(timeout=min(2.0, self.settings.timeout_s)) for e in dead))
+        back = 0
+        for e, ok in zip(dead, healthy):
+            if not ok:
+                continue
+            await self._fetch_params(e)
+            if e.params is not None:
+                check_against_engine(specs, e.params, e.url, e.tied, e.complete)
+            logger.info("engine %s answers again; it rejoins with this push", e.url)
+            e.alive, back = True, back + 1
+        return back
+
     async def _push(self, named, specs, buckets, version, progress) -> dict[str, float]:
         s = self.settings
         total_bytes = sum(b.nbytes for b in buckets)
         last_error: Exception | None = None
+        revived = await self._revive(specs)
         for attempt in range(s.retries + 1):
             members = [e for e in self.engines if e.alive]
             if not members:
@@ -269,7 +291,8 @@ class WeightSender:
                     "weight_sync/connect_s": t_link - t0, "weight_sync/total_s": t1 - t0,
                     "weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(len(buckets)),
                     "weight_sync/num_tensors": float(len(specs)), "weight_sync/engines": float(len(members)),
-                    "weight_sync/attempts": float(attempt + 1), "weight_sync/version": float(version)}
+                    "weight_sync/attempts": float(attempt + 1), "weight_sync/version": float(version),
+                    "weight_sync/revived": float(revived)}
         raise RuntimeError(f"push v{version}: failed after {s.retries + 1} attempts; live engines are left "
                            f"paused (their weights may be partly updated); engines: {self.engine_status()}") \
             from last_error
