@@ -9,6 +9,7 @@ behaviour it did not ask for.
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +18,10 @@ from typing import Any
 # SGLang treats temperatures below this as greedy (top_k = 1, logprobs at temperature 1).
 SAMPLING_EPS = 1e-6
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+# request ids for requests without a rid: unique per process (a counter is cheaper than uuid4
+# per request, which reads os.urandom)
+_RID_PREFIX = uuid.uuid4().hex[:12] + "-"
+_RID_COUNTER = itertools.count()
 
 
 class ProtocolError(ValueError):
@@ -184,7 +189,7 @@ def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
             raise ProtocolError("input_ids", "must not be empty")
     rid = body.get("rid")
     if rid is None:
-        rid = uuid.uuid4().hex
+        rid = f"{_RID_PREFIX}{next(_RID_COUNTER)}"
     elif not isinstance(rid, str) or not rid:
         raise ProtocolError("rid", "expected a non-empty string")
     return GenerateInput(
