@@ -9,6 +9,7 @@ on a dead peer can be abandoned after a timeout instead of holding interpreter e
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from typing import Any, Awaitable, Callable, TypeVar
@@ -37,8 +38,20 @@ class LoopThread:
             raise
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (e.g. a coroutine given up after a timeout), then stop it."""
         if self.loop.is_closed():
             return
+
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_rest(), self.loop).result(timeout=10)
+        except Exception as e:  # stopping anyway; say why the leftovers could not be cancelled
+            logging.getLogger(__name__).warning("cancelling leftover tasks: %s: %s", type(e).__name__, e)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():

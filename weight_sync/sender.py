@@ -23,14 +23,12 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from rollout_manager.engine_client import EngineClient, EngineError
+from rollout_manager.engine_client import EngineClient
 from weight_sync import disk
 from weight_sync._loop import LoopThread
+from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
 from weight_sync.link import Link, PushFailed, abort_link, close_link, open_link, send_bucket, wait_transfer
 from weight_sync.plan import check_against_engine, check_tensors, plan_buckets
@@ -40,21 +38,6 @@ GiB = 1024 ** 3
 # Buckets queued on the GPU at once (nccl): enough to keep the link busy while the next bucket's
 # HTTP round trip runs, few enough that in-flight copies stay a small multiple of bucket_bytes.
 _MAX_INFLIGHT = 3
-
-
-@dataclass
-class EngineState:
-    """What the sender knows about one engine."""
-
-    url: str
-    gpus: int
-    client: EngineClient
-    params: dict[str, TensorSpec | None] | None = None  # reported at connect; None: cannot list them
-    tied: dict[str, str] = field(default_factory=dict)  # name -> the name whose storage it shares
-    complete: bool = False  # params lists every parameter with its spec (so all must be pushed)
-    alive: bool = True
-    version: int | None = None  # last version this engine fully received
-    errors: list[str] = field(default_factory=list)
 
 
 class WeightSender:
@@ -186,32 +169,9 @@ class WeightSender:
     async def _connect(self, urls: list[str], gpus: list[int]) -> None:
         t = self.settings.timeout_s
         self.engines = [EngineState(u.rstrip("/"), g, EngineClient(u, timeout=t)) for u, g in zip(urls, gpus)]
-        await asyncio.gather(*(self._fetch_params(e) for e in self.engines))
+        await asyncio.gather(*(fetch_params(e, self.settings.timeout_s) for e in self.engines))
         if self.settings.transport == "distributed":
             self._link = await self._open(self.engines)
-
-    async def _fetch_params(self, e: EngineState) -> None:
-        """Ask the engine for its parameter list once: ``/weights_info`` (names, shapes, dtypes,
-        ties); else the names of ``/weights_checksum``; else (e.g. SGLang) nothing to validate."""
-        e.params, e.tied, e.complete = None, {}, False
-        try:
-            info = await e.client.request("GET", "/weights_info", timeout=self.settings.timeout_s)
-            e.params = {p["name"]: TensorSpec(p["name"], tuple(p["shape"]), str(p["dtype"]).removeprefix("torch."))
-                        for p in info["params"]}
-            e.tied = {p["name"]: p["tied_to"] for p in info["params"] if p.get("tied_to")}
-            e.complete = True
-            return
-        except EngineError as err:
-            if err.status != 404:
-                raise RuntimeError(f"engine {e.url}: cannot fetch its parameter list: {err}") from err
-        try:
-            sums = await e.client.request("GET", "/weights_checksum", timeout=self.settings.timeout_s)
-            e.params = {n: None for n in sums}  # names only; tied names are not told apart
-            logger.warning("engine %s has no /weights_info: pushes are checked against its names only", e.url)
-        except EngineError as err:
-            if err.status != 404:
-                raise RuntimeError(f"engine {e.url}: cannot fetch its parameter list: {err}") from err
-            logger.warning("engine %s cannot list its parameters (%s); pushes to it are not validated", e.url, err)
 
     async def _open(self, members: list[EngineState]) -> Link:
         self._generation += 1
@@ -240,7 +200,7 @@ class WeightSender:
         for e, ok in zip(dead, healthy):
             if not ok:
                 continue
-            await self._fetch_params(e)
+            await fetch_params(e, self.settings.timeout_s)
             if e.params is not None:
                 check_against_engine(specs, e.params, e.url, e.tied, e.complete)
             logger.info("engine %s answers again; it rejoins with this push", e.url)
@@ -265,16 +225,16 @@ class WeightSender:
                 if s.transport == "distributed":  # pack the first bucket while the engines pause
                     first = asyncio.get_running_loop().run_in_executor(None, link.pack, named, buckets[0],
                                                                        link.device)
-                await self._all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+                await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
                 t_paused = time.perf_counter()
                 if s.transport == "distributed":
                     bcast_s = await self._send_all(link, named, buckets, version, progress, first)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
                 t_sent = time.perf_counter()
-                check_s = await self._check_equal(members, named) if s.check_equal else 0.0
+                check_s = await check_equal(members, named, s.timeout_s) if s.check_equal else 0.0
                 t_checked = time.perf_counter()
-                await self._all(members, lambda c: c.continue_generation(), "continue_generation")
+                await call_all(members, lambda c: c.continue_generation(), "continue_generation")
                 t1 = time.perf_counter()
             except PushFailed as err:
                 last_error = err
@@ -330,41 +290,9 @@ class WeightSender:
         path = await loop.run_in_executor(None, disk.write_hf_checkpoint, named, s.disk_dir, version,
                                           s.hf_checkpoint, s.disk_keep)
         t = time.perf_counter()
-        await self._all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
+        await call_all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
                                                                       timeout=s.timeout_s),
                         "update_weights_from_disk")
-        return time.perf_counter() - t
-
-    async def _all(self, members: list[EngineState], call, what: str) -> list:
-        """``call(client)`` on every member concurrently; PushFailed naming each engine that failed."""
-        outs = await asyncio.gather(*(call(e.client) for e in members), return_exceptions=True)
-        failed = {}
-        for e, out in zip(members, outs):
-            if isinstance(out, BaseException):
-                failed[e.url] = f"{what}: {type(out).__name__}: {out}"
-            elif isinstance(out, dict) and out.get("success") is False:
-                failed[e.url] = f"{what}: {out.get('message')}"
-        if failed:
-            raise PushFailed(failed)
-        return outs
-
-    async def _check_equal(self, members: list[EngineState], named) -> float:
-        """Compare every engine's per-tensor checksums with the trainer's (RuntimeError on a mismatch)."""
-        from weight_sync.buckets import tensor_checksum
-
-        t = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        mine = await loop.run_in_executor(None, lambda: {n: tensor_checksum(x) for n, x in named})
-        theirs = await self._all(members, lambda c: c.request("GET", "/weights_checksum",
-                                                              timeout=self.settings.timeout_s), "weights_checksum")
-        for e, sums in zip(members, theirs):
-            sums = sums.get("checksums", sums) if isinstance(sums, dict) else sums
-            for n, want in mine.items():
-                if n not in sums:
-                    raise RuntimeError(f"check_weight_update_equal: engine {e.url} reports no checksum for {n!r}")
-                if sums[n] != want:
-                    raise RuntimeError(f"check_weight_update_equal: weight {n!r} differs on engine {e.url}: "
-                                       f"engine {sums[n]!r} != trainer {want!r}")
         return time.perf_counter() - t
 
     async def _after_failure(self, members: list[EngineState], err: PushFailed) -> None:
@@ -388,7 +316,7 @@ class WeightSender:
     async def _resync(self, e: EngineState, named_tensors, version) -> dict[str, float]:
         if not await e.client.health(timeout=min(10.0, self.settings.timeout_s)):
             raise RuntimeError(f"resync: engine {e.url} is not answering /health")
-        await self._fetch_params(e)  # a restarted engine may report a different list
+        await fetch_params(e, self.settings.timeout_s)  # a restarted engine may report a different list
         e.alive, e.version = True, None
         if named_tensors is None:
             return {}
@@ -400,18 +328,18 @@ class WeightSender:
         s = self.settings
         t0 = time.perf_counter()
         if s.transport == "disk":
-            await self._all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+            await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
             await self._send_disk([e], named, version)
         else:
             link = await self._open([e])  # a group of the trainer and this engine only
             try:
-                await self._all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+                await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
                 await self._send_all(link, named, buckets, version, None)
             finally:
                 await close_link(link, s.timeout_s)
         if s.check_equal:
-            await self._check_equal([e], named)
-        await self._all([e], lambda c: c.continue_generation(), "continue_generation")
+            await check_equal([e], named, s.timeout_s)
+        await call_all([e], lambda c: c.continue_generation(), "continue_generation")
         e.version = version
         return {"weight_sync/resync_s": time.perf_counter() - t0}
 
