@@ -231,7 +231,6 @@ class WeightSender:
                     bcast_s = await self._send_all(link, named, buckets, version, progress, first)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
-                t_sent = time.perf_counter()
                 check_s = await check_equal(members, named, s.timeout_s) if s.check_equal else 0.0
                 t_checked = time.perf_counter()
                 await call_all(members, lambda c: c.continue_generation(), "continue_generation")
