@@ -72,8 +72,9 @@ async def client_throughput(url: str, total: int, inflight: int) -> dict[str, fl
     async with httpx.AsyncClient(limits=limits, timeout=60) as h:
         async def hx():
             (await h.post(url + "/generate", json=PAYLOAD)).json()
-        await _drive(hx, inflight, inflight)
-        out["httpx"], out["httpx_per_client_cpu_s"] = await _drive(hx, max(500, total // 5), inflight)
+        await _drive(hx, 64, 64)
+        # httpx manages a few dozen requests/s at this concurrency: one round of `inflight` is enough
+        out["httpx"], out["httpx_per_client_cpu_s"] = await _drive(hx, inflight, inflight)
     return out
 
 
@@ -139,11 +140,11 @@ def part_a(model: Path, total: int, inflight: int, repeats: int, fast: bool) -> 
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-async def _direct(clients: list[EngineClient], prompts: list[list[int]], n: int, max_len: int,
+async def _direct(clients: list[EngineClient], prompts: list[list[int]], n: int, params: dict,
                   concurrency: int) -> float:
-    """The baseline: the same requests straight to the engines, round-robin, same concurrency."""
+    """The baseline: the same requests (same sampling params) straight to the engines, round-robin,
+    same concurrency."""
     sem = asyncio.Semaphore(concurrency)
-    params = {"temperature": 0.0, "max_new_tokens": max_len, "no_stop_trim": True}
 
     async def one(i: int, ids: list[int]):
         async with sem:
@@ -157,6 +158,7 @@ async def _direct(clients: list[EngineClient], prompts: list[list[int]], n: int,
 async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, repeats: int) -> dict[str, float]:
     from _fixtures_rollout import make_args, toy_argv
 
+    from rollout_manager.generate import sampling_params
     from rollout_manager.manager import RolloutManager
 
     args, settings = make_args(toy_argv(model, "--rollout-num-engines", str(engines), "--n-samples-per-prompt", str(n),
@@ -165,20 +167,33 @@ async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, re
     m = RolloutManager(settings, args, log_dir=tempfile.mkdtemp(prefix="bench-rollout-"))
     await m.start()
     concurrency = settings.sampling.sglang_server_concurrency * engines
+    params = sampling_params(settings)  # exactly what the manager sends
     manager_s, direct_s, via_router_s, tokens = [], [], [], []
     session = new_session()  # the baseline's connections are pooled and warm too
     clients = [EngineClient(u, timeout=600, session=session) for u in m.engine_urls]
     router = [EngineClient(m.router_url, timeout=600, session=session)]  # diagnostic: the router's share
     try:
         groups, _ = await m.generate(-1)  # warm-up: engines' first forward passes, connections
-        await _direct(clients, [g[0].tokens[:g[0].prompt_length] for g in groups], n, max_len, concurrency)
+        await _direct(clients, [g[0].tokens[:g[0].prompt_length] for g in groups], n, params, concurrency)
         for k in range(repeats):
-            groups, metrics = await m.generate(k)
-            manager_s.append(metrics["rollout/time_s"])
-            tokens.append(metrics["rollout/response_len_mean"])
-            prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]
-            direct_s.append(await _direct(clients, prompts, n, max_len, concurrency))
-            via_router_s.append(await _direct(router, prompts, n, max_len, concurrency))
+            state = m.data_source.state_dict()  # peek at the prompts of the manager's next step
+            prompts = [g[0].tokens for g in m.data_source.get_samples(batch)]
+            m.data_source.load_state_dict(state)
+
+            async def manager_step():
+                groups, metrics = await m.generate(k)
+                assert sorted(g[0].tokens[:g[0].prompt_length] for g in groups) == sorted(prompts)  # same work
+                manager_s.append(metrics["rollout/time_s"])
+                tokens.append(metrics["rollout/response_len_mean"])
+
+            async def direct():
+                direct_s.append(await _direct(clients, prompts, n, params, concurrency))
+
+            async def via_router():
+                via_router_s.append(await _direct(router, prompts, n, params, concurrency))
+            order = [manager_step, direct, via_router]
+            for run in order[k % 3:] + order[:k % 3]:  # rotate: no path always runs first
+                await run()
     finally:
         await session.close()
         await m.shutdown()
