@@ -43,6 +43,12 @@ async def _generate_one(ctx: RolloutContext, sample: Sample, params: dict) -> Sa
             check_sample(sample, f"sample {sample.index}") if sample.reward is not None else _check_shape(sample)
     except Exception as e:  # a custom generate's bug fails this sample only; logged and counted
         log.warning("generate failed for sample %s: %s: %s", sample.index, type(e).__name__, e)
+        try:
+            _check_shape(sample)
+        except ValueError:  # left half-written: keep only the prompt (and the versions it saw)
+            versions = list(sample.weight_versions)
+            reset_sample(sample)
+            sample.weight_versions = versions
         mark_failed(sample, f"generate: {type(e).__name__}")
         return sample
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.reward is None and not ctx.rewarder.group_rm:

@@ -70,3 +70,14 @@ async def wait_inflight(manager: RolloutManager, n: int, settle: float = 0.15, t
             raise TimeoutError(f"only {total - sem._value}/{n} requests in flight after {timeout}s")
         await asyncio.sleep(0.01)
     await asyncio.sleep(settle)
+
+
+async def half_broken_generate(args, sample, sampling_params):
+    """A custom generate that leaves odd samples half-written and raises (a plugin bug)."""
+    from rollout_manager.generate import generate
+
+    if sample.index % 2:
+        sample.tokens.append(10)
+        sample.response_length += 1  # but no loss_mask entry: inconsistent
+        raise RuntimeError("tool crashed")
+    return await generate(args, sample, sampling_params)

@@ -226,3 +226,19 @@ def test_engine_side_pause_like_weight_sync(toy_model_dir):
     assert metrics["rollout/aborted_requests"] == 4 and metrics["rollout/failed_frac"] == 0
     for s in (s for g in groups for s in g):
         assert s.weight_versions == [0, 1] and s.response_length == 8 and s.loss_mask == [1] * 8
+
+
+def test_custom_generate_errors_fail_only_their_samples(toy_model_dir):
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--custom-generate-function-path",
+                        "_fixtures_rollout.half_broken_generate", "--n-samples-per-prompt", "2",
+                        "--rollout-batch-size", "3")
+        async with running_manager(argv) as m:
+            return await m.generate(0)
+    groups, metrics = asyncio.run(go())
+    for g in groups:
+        ok, bad = g[0], g[1]  # indices are even, odd
+        assert ok.status == Status.COMPLETED and ok.response_length == 4
+        assert bad.status == Status.FAILED and bad.metadata["failure_reason"] == "generate: RuntimeError"
+        assert bad.response_length == 0 and bad.loss_mask == [] and bad.tokens == ok.tokens[:ok.prompt_length]
+    assert metrics["rollout/failures/generate: RuntimeError"] == 3 and metrics["rollout/failed_frac"] == 0.5
