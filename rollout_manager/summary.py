@@ -11,7 +11,14 @@ from rollout_manager.generate import RolloutStats
 
 def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seconds: float,
                     prefix: str = "rollout", reward_key: str | None = None) -> dict[str, float]:
-    """Metrics of one step: rewards, pass rates, lengths, truncation, throughput, failures."""
+    """Metrics of one step: rewards, pass rates, lengths, truncation, throughput, failures.
+
+    ``reward_mean/std`` over scored samples (failed ones have no reward); ``pass_rate``: fraction
+    of scored samples with reward > 0; ``pass_at_k``: fraction of groups with at least one such
+    sample; ``response_len_*`` in tokens; ``truncated_frac``: samples that hit the length limit;
+    ``tokens_per_s``: generated tokens over the step's wall time; ``failures/<reason>``: failed
+    samples by reason (``engine: ...``, ``reward: <exception>``, ``generate: <exception>``).
+    """
     samples = [s for g in groups for s in g]
     scored = [s.scalar_reward(reward_key) for s in samples if s.reward is not None]
     lengths = [s.response_length for s in samples]
