@@ -177,6 +177,8 @@ class Run:
             path = Path(self.s.save) / f"step_{step:06d}"
             if self.trainer is not None:
                 self.trainer.save(str(path / "trainer"))
+                if self.args.save_hf:
+                    self.trainer.export_hf(self.args.save_hf.format(rollout_id=step))
             state = {"step": step, "rng": _rng_state()}
             if self.rollout is not None:
                 state["rollout"] = ray.get(self.rollout.state_dict.remote())
