@@ -182,7 +182,7 @@ def test_engine_killed_mid_push_then_resynced(procs, ws_toy_model):  # noqa: F81
 def test_stalled_engine_does_not_hang_the_trainer(procs, ws_toy_model):  # noqa: F811
     es = procs  # the last test of the module: it leaves no engine running
     urls = [u for _, u in es]
-    s = WeightSyncSettings(bucket_bytes=32 * 1024, timeout_s=3.0, retries=1)
+    s = WeightSyncSettings(bucket_bytes=32 * 1024, timeout_s=5.0, retries=1)
     with WeightSender(s) as sender:
         sender.connect(urls)
         w = perturbed_model(ws_toy_model, 1.1)
