@@ -155,7 +155,8 @@ async def _direct(clients: list[EngineClient], prompts: list[list[int]], n: int,
     return time.perf_counter() - t0
 
 
-async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, repeats: int) -> dict[str, float]:
+async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, repeats: int,
+                 dispatch: str = "router") -> dict[str, float]:
     from _fixtures_rollout import make_args, toy_argv
 
     from rollout_manager.generate import sampling_params
@@ -163,7 +164,8 @@ async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, re
 
     args, settings = make_args(toy_argv(model, "--rollout-num-engines", str(engines), "--n-samples-per-prompt", str(n),
                                         "--rollout-batch-size", str(batch), "--rollout-max-response-len", str(max_len),
-                                        "--rollout-temperature", "0", "--sglang-server-concurrency", "64"))
+                                        "--rollout-temperature", "0", "--sglang-server-concurrency", "64",
+                                        "--rollout-dispatch", dispatch))
     m = RolloutManager(settings, args, log_dir=tempfile.mkdtemp(prefix="bench-rollout-"))
     await m.start()
     concurrency = settings.sampling.sglang_server_concurrency * engines
@@ -224,7 +226,9 @@ def main() -> None:
     ra = part_a(model, a.total, a.inflight, a.repeats, fast=True)
     ra_engine = part_a(model, a.total, a.inflight, a.repeats, fast=False)
     rb = asyncio.run(part_b(model, a.engines, a.batch, a.n, a.max_len, a.b_repeats))
+    rd = asyncio.run(part_b(model, a.engines, a.batch, a.n, a.max_len, a.b_repeats, dispatch="direct"))
     ratio = rb["direct_s"] / rb["manager_s"]
+    ratio_d = rd["direct_s"] / rd["manager_s"]
     print(f"\n(a) client throughput, {a.inflight} in flight (median of {a.repeats})")
     print(f"{'client':<30}{'fast server':>12}{'instant engine':>16}   requests/s")
     for k, v in ra.items():
@@ -237,6 +241,9 @@ def main() -> None:
     print(f"{'direct':<16}{rb['direct_s']:>12.3f}\n{'manager':<16}{rb['manager_s']:>12.3f}")
     print(f"{'direct+router':<16}{rb['direct_via_router_s']:>12.3f}  (diagnostic: same requests via the router)")
     print(f"ratio direct/manager = {ratio:.3f} (target >= 0.95)")
+    print(f"\n(b') the same with --rollout-dispatch direct (the manager balances the engines itself)")
+    print(f"{'direct':<16}{rd['direct_s']:>12.3f}\n{'manager':<16}{rd['manager_s']:>12.3f}")
+    print(f"ratio direct/manager = {ratio_d:.3f} (target >= 0.95)")
     result = {
         "name": "rollout", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {os.cpu_count()} cores {platform.processor() or platform.machine()}",
@@ -248,6 +255,10 @@ def main() -> None:
                     "a_ratio_ours_over_aiohttp_json": round(ra["ours"] / ra["aiohttp_json"], 3),
                     "b_direct_s": round(rb["direct_s"], 4), "b_manager_s": round(rb["manager_s"], 4),
                     "b_direct_via_router_s": round(rb["direct_via_router_s"], 4), "b_max_len": a.max_len,
+                    "b_ratio_router_dispatch": round(ratio, 4),
+                    "b_dispatch_direct_direct_s": round(rd["direct_s"], 4),
+                    "b_dispatch_direct_manager_s": round(rd["manager_s"], 4),
+                    "b_ratio_direct_dispatch": round(ratio_d, 4),
                     "b_requests": rb["requests"], "b_response_len_mean": round(rb["response_len_mean"], 2)},
         "ratio": round(ratio, 4),
         "target": 0.95,

@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-skip-special-tokens", action="store_true", default=S.rollout_skip_special_tokens)
     g.add_argument("--sglang-server-concurrency", type=int, default=S.sglang_server_concurrency,
                    help="in-flight requests per engine")
+    g.add_argument("--rollout-dispatch", choices=["router", "direct"], default=S.rollout_dispatch,
+                   help="router: every request through sglang-router; direct: the manager sends each to the "
+                        "least-loaded live engine (no router hop; retries go to another engine at once)")
     g.add_argument("--rollout-request-timeout", type=float, default=S.request_timeout)
     g.add_argument("--rollout-max-retries", type=int, default=S.max_request_retries)
     g.add_argument("--dynamic-sampling-max-dropped-ratio", type=float, default=S.max_dropped_ratio,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from buffer.sample import Sample, Status
+from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engine_client import EngineClient, EngineError
 from rollout_manager.rewards import Rewarder, mark_failed
 from rollout_manager.settings import RolloutSettings
@@ -55,7 +56,8 @@ class RolloutContext:
 
     settings: RolloutSettings
     args: argparse.Namespace
-    client: EngineClient  # the router (or the single engine)
+    client: EngineClient  # the router (custom generate functions use it)
+    dispatcher: Dispatcher  # where the default generate sends each request (router or direct)
     engine_urls: Callable[[], list[str]]  # current engines, for aborts
     semaphore: asyncio.Semaphore  # in-flight requests across engines
     rewarder: Rewarder
@@ -153,6 +155,7 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
     s = ctx.settings.sampling
     budget = sampling_params["max_new_tokens"]
     attempt = idle_aborts = 0
+    avoid: set[str] = set()  # engines that failed this sample (direct dispatch retries elsewhere)
     while True:
         remaining = budget - sample.response_length
         if remaining <= 0:
@@ -172,12 +175,15 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
             rid = uuid.uuid4().hex
             step.inflight.add(rid)
             step.stats.requests += 1
+            url, client = ctx.dispatcher.pick(avoid)
+            ctx.dispatcher.started(url)
             try:
-                out = await ctx.client.generate(input_ids=sample.tokens,
-                                                sampling_params={**sampling_params, "max_new_tokens": remaining},
-                                                return_logprob=True, rid=rid, timeout=s.request_timeout)
+                out = await client.generate(input_ids=sample.tokens,
+                                            sampling_params={**sampling_params, "max_new_tokens": remaining},
+                                            return_logprob=True, rid=rid, timeout=s.request_timeout)
             except EngineError as e:
                 out = None
+                avoid.add(url)
                 if e.status is not None and 400 <= e.status < 500:
                     log.warning("sample %s: engine rejected the request: %s", sample.index, e)
                     mark_failed(sample, f"engine: HTTP {e.status}")  # our request is bad: retrying won't help
@@ -189,6 +195,7 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
                     return sample
             finally:
                 step.inflight.discard(rid)
+                ctx.dispatcher.finished(url)
         if out is None:  # back off outside the semaphore; the health monitor removes dead engines meanwhile
             await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
             continue

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from buffer.sample import Sample
 from plugins.loader import load_function
 from rollout_manager.data_source import DataReport, DataSource, load_prompts
+from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engine_client import EngineClient
 from rollout_manager.engines import EngineFleet
 from rollout_manager.generate import RolloutContext, StepState, generate as default_generate, reset_sample, set_context
@@ -89,8 +90,11 @@ class RolloutManager:
         self.args.sglang_router_ip, self.args.sglang_router_port = self.router.host, self.router.port
         s = self.settings.sampling
         self._client = EngineClient(self.router.url, timeout=s.request_timeout)
+        live = lambda: [eng.url for eng in self.fleet.engines if eng.registered]  # noqa: E731
+        self._dispatcher = Dispatcher(self._client, live, s.rollout_dispatch == "direct", s.request_timeout)
         self.ctx = RolloutContext(
-            settings=self.settings, args=self.args, client=self._client, engine_urls=lambda: self.fleet.urls,
+            settings=self.settings, args=self.args, client=self._client, dispatcher=self._dispatcher,
+            engine_urls=lambda: self.fleet.urls,
             semaphore=asyncio.Semaphore(s.sglang_server_concurrency * len(self.fleet.engines)),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop())
@@ -118,6 +122,7 @@ class RolloutManager:
             self.router.stop()
         if self._client is not None:
             await self._client.close()
+            await self._dispatcher.close()
         self.ctx = None
 
     # --- generation ----------------------------------------------------------------------

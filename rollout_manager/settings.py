@@ -62,6 +62,7 @@ class SamplingSettings:
     rollout_stop_token_ids: list[int] = field(default_factory=list)
     rollout_skip_special_tokens: bool = False
     sglang_server_concurrency: int = 512  # in-flight requests per engine
+    rollout_dispatch: str = "router"  # "router" or "direct" (least-loaded engine, no router hop)
     request_timeout: float = 600.0  # seconds for one /generate call
     max_request_retries: int = 5  # retries of one request after engine errors
     max_dropped_ratio: float = 20.0  # a step fails after dropping this many x rollout_batch_size groups

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from _fixtures_rollout import running_manager, toy_argv, wait_inflight
 
 from buffer.sample import Status, check_group
@@ -15,16 +17,19 @@ from rollout_manager.engine_client import EngineClient
 INSTANT = ["--rollout-engine", "instant", "--rollout-num-engines", "2", "--health-check-interval", "0.5"]
 
 
-def test_groups_token_in_token_out(toy_model_dir):
+@pytest.mark.parametrize("dispatch", ["router", "direct"])
+def test_groups_token_in_token_out(toy_model_dir, dispatch):
     async def go():
         argv = toy_argv(toy_model_dir, *INSTANT, "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
-                        "--rollout-max-response-len", "16")
+                        "--rollout-max-response-len", "16", "--rollout-dispatch", dispatch)
         async with running_manager(argv) as m:
             assert len(m.engine_urls) == 2
             groups, metrics = await m.generate(0)
             prompts = {r.prompt: r.input_ids for r in m.data_source.records}
-            return groups, metrics, prompts
-    groups, metrics, prompts = asyncio.run(go())
+            return groups, metrics, prompts, dict(m._dispatcher.inflight)
+    groups, metrics, prompts, inflight = asyncio.run(go())
+    if dispatch == "direct":  # both engines were used, and every request was accounted for
+        assert len(inflight) == 2 and all(v == 0 for v in inflight.values())
     assert len(groups) == 8
     for g in groups:
         check_group(g, 4)
@@ -104,9 +109,10 @@ def test_partial_rollout_across_weight_update(toy_model_dir):
             assert s.loss_mask == ([0] * 4 + [1] * 4 if mask else [1] * 8)
 
 
-def test_engine_killed_mid_rollout_no_loss_no_duplicates(toy_model_dir):
+@pytest.mark.parametrize("dispatch", ["router", "direct"])
+def test_engine_killed_mid_rollout_no_loss_no_duplicates(toy_model_dir, dispatch):
     async def go():
-        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.6",
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.6", "--rollout-dispatch", dispatch,
                         "--n-samples-per-prompt", "4", "--rollout-batch-size", "16")
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))

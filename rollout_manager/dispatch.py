@@ -1,0 +1,50 @@
+"""Where the default generate sends a request: through the router, or straight to an engine.
+
+``--rollout-dispatch router`` (the default, slime's way): every request goes to sglang-router,
+which balances the engines. ``--rollout-dispatch direct``: the manager itself sends each request
+to the live engine with the fewest requests in flight, skipping engines that just failed this
+sample; this saves the router hop (~0.2-0.7 ms of CPU per request, which is ~10% of the wall time
+of short generations on a small CPU box) and sends a retry to a different engine at once. The
+router still runs either way: custom generate functions and outside tools use it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rollout_manager.engine_client import EngineClient, new_session
+
+
+class Dispatcher:
+    """Picks the client for one request; counts requests in flight per engine (direct mode)."""
+
+    def __init__(self, router: EngineClient, live_urls: Callable[[], list[str]], direct: bool,
+                 timeout: float | None):
+        self.router, self.live_urls, self.direct, self.timeout = router, live_urls, direct, timeout
+        self._session = new_session() if direct else None
+        self._clients: dict[str, EngineClient] = {}
+        self.inflight: dict[str, int] = {}
+
+    def pick(self, avoid: set[str]) -> tuple[str, EngineClient]:
+        """(url, client) for the next request; ``avoid``: engines that failed this sample."""
+        if not self.direct:
+            return self.router.base_url, self.router
+        live = self.live_urls()
+        candidates = [u for u in live if u not in avoid] or live
+        if not candidates:  # every engine is down right now: the router answers 503, the caller backs off
+            return self.router.base_url, self.router
+        url = min(candidates, key=lambda u: self.inflight.get(u, 0))
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = EngineClient(url, timeout=self.timeout, session=self._session)
+        return url, client
+
+    def started(self, url: str) -> None:
+        self.inflight[url] = self.inflight.get(url, 0) + 1
+
+    def finished(self, url: str) -> None:
+        self.inflight[url] -= 1
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
