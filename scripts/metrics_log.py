@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 PLOTS = {  # file name -> metric keys drawn on it (the first key that exists is plotted per line)
-    "reward.png": ["rollout/reward_mean"],
+    "reward.png": ["rollout/reward_mean", "train/reward_mean"],
     "eval_accuracy.png": ["eval/accuracy"],
     "response_length.png": ["rollout/response_len_mean"],
     "kl.png": ["train/kl", "train/train_rollout_logprob_abs_diff"],
