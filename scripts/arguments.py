@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", default=d.wandb_project)
     g.add_argument("--buffer-name", default=d.buffer_name, help="name of the buffer actor")
     g.add_argument("--colocate", action="store_true", default=d.colocate,
-                   help="trainer and engines share GPUs (engines release memory while training)")
+                   help="trainer and engines share GPUs (not supported yet: rejected at start-up)")
     g.add_argument("--no-plots", action="store_true", default=d.no_plots, help="skip the PNG plots at the end")
     g.add_argument("--build-toy-model", action=argparse.BooleanOptionalAction, default=d.build_toy_model,
                    help="build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is missing")
@@ -136,9 +136,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--save-interval needs --save (the checkpoint directory)")
     if args.eval_interval and not args.eval_prompt_data:
         raise ValueError("--eval-interval needs --eval-prompt-data")
-    if args.colocate and (args.max_weight_staleness or 0) > 0:
-        raise ValueError("--colocate runs rollout and training in turn; it cannot be combined with "
-                         f"--max-weight-staleness {args.max_weight_staleness} (async mode)")
+    if args.colocate:  # engines would have to release GPU memory (/release_memory_occupation) while training
+        raise ValueError("--colocate is not supported yet: run the trainer and the engines on separate devices")
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size is not None and samples % args.global_batch_size:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must divide --rollout-batch-size x "
