@@ -10,15 +10,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Awaitable, Iterator
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on sys.path
-    sys.path.insert(0, str(ROOT))
 
 
 def make_toy_model(out: Path, *extra: str) -> Path:
