@@ -293,3 +293,23 @@ def test_release_and_resume_memory_occupation(engine_url):
     assert e_busy.status == 400 and "in flight" in e_busy.body
     assert e_tag.status == 400 and "tags" in e_tag.body
     assert held["meta_info"]["completion_tokens"] >= 1
+
+
+def test_client_disconnect_aborts_a_running_request(engine_url):
+    async def state(c):
+        s = (await c.server_info())["internal_states"][0]
+        return s["decode_steps"], s["num_reqs"]
+
+    async def go():
+        async with EngineClient(engine_url, timeout=30) as c:
+            steps0, _ = await state(c)
+            with pytest.raises(EngineError):  # the client gives up while the request decodes
+                await c.generate(input_ids=[5, 6], sampling_params=LONG, timeout=0.15)
+            deadline = time.monotonic() + 10
+            while (await state(c))[1] != 0:
+                assert time.monotonic() < deadline, "the disconnected request kept running"
+                await asyncio.sleep(0.01)
+            return (await state(c))[0] - steps0
+
+    steps = run(go())
+    assert steps < 239  # it stopped before its 240 tokens
