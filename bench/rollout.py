@@ -222,6 +222,7 @@ def main() -> None:
         return
     import make_toy_model
 
+    load_before = os.getloadavg()[0]  # other work on the box moves these numbers a lot: record it
     model = make_toy_model.main(["--out", tempfile.mkdtemp(prefix="bench-toy-") + "/model"])
     ra = part_a(model, a.total, a.inflight, a.repeats, fast=True)
     ra_engine = part_a(model, a.total, a.inflight, a.repeats, fast=False)
@@ -259,6 +260,7 @@ def main() -> None:
                     "b_dispatch_direct_direct_s": round(rd["direct_s"], 4),
                     "b_dispatch_direct_manager_s": round(rd["manager_s"], 4),
                     "b_ratio_direct_dispatch": round(ratio_d, 4),
+                    "load_avg_1min_before": round(load_before, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),
                     "b_requests": rb["requests"], "b_response_len_mean": round(rb["response_len_mean"], 2)},
         "ratio": round(ratio, 4),
         "target": 0.95,
