@@ -130,6 +130,8 @@ class Run:
         """
         import ray
 
+        if self.rollout is None:  # --debug-train-only: batches come from files
+            return
         with self._timer("perf/rollout_time"):
             self._pending.update(ray.get(self.rollout.push.remote(step, self.buffer)))
 

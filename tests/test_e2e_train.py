@@ -108,3 +108,18 @@ def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
                for s in g[:1]]
     # Every group of every step trained once: none lost, none twice, the data position exact.
     assert sorted(trained) == list(range(n_steps * batch))
+
+
+def test_debug_rollout_only_then_debug_train_only(warm_toy, tmp_path):
+    dump = str(tmp_path / "dumps" / "rollout_{rollout_id}.parquet")
+    records = run_train(warm_toy, tmp_path / "rollout_only", "--num-rollout", "2", "--debug-rollout-only",
+                        "--save-debug-rollout-data", dump)
+    assert [r["step"] for r in records if "rollout/reward_mean" in r] == [0, 1]
+    assert not train_records(records)  # no trainer in this mode
+    groups = read_parquet(dump.format(rollout_id=1))
+    assert len(groups) == 16 and all(len(g) == 8 for g in groups)
+    records = run_train(warm_toy, tmp_path / "train_only", "--num-rollout", "2", "--debug-train-only",
+                        "--load-debug-rollout-data", dump)
+    steps = train_records(records)
+    assert [r["step"] for r in steps] == [0, 1] and steps[1]["train/num_samples"] == 128
+    assert not [r for r in records if "rollout/reward_mean" in r]  # no engines in this mode

@@ -1,0 +1,51 @@
+"""The launcher's composed command line: every part's flags in one parser, checked once at start-up."""
+
+import pytest
+
+from arguments import build_parser, parse_args
+
+
+@pytest.fixture()
+def base(toy_model_dir):
+    return ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data/train.jsonl")]
+
+
+def test_all_parts_compose_without_clashes(base):
+    args = parse_args(base + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--lr", "1e-5",
+                              "--max-weight-staleness", "1", "--update-weight-transport", "disk",
+                              "--update-weight-disk-dir", "/tmp/w"])
+    assert (args.rollout_batch_size, args.n_samples_per_prompt, args.lr) == (4, 2, 1e-5)
+    assert args.max_weight_staleness == 1 and args.update_weight_transport == "disk"
+    flags = [o for a in build_parser()._actions for o in a.option_strings]
+    assert len(flags) == len(set(flags))
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--debug-train-only"], "--debug-train-only needs --load-debug-rollout-data"),
+    (["--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data", "x"], "exclude each other"),
+    (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--eval-interval", "5"], "--eval-interval needs --eval-prompt-data"),
+    (["--global-batch-size", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"],
+     "--global-batch-size 3 must divide"),
+    (["--colocate"], "--colocate is not supported yet"),
+    (["--num-rollout", "0"], "--num-rollout must be >= 1"),
+])
+def test_bad_combinations_name_the_flags(base, extra, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(base + extra)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_missing_checkpoint_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--hf-checkpoint", str(tmp_path / "nope"), "--prompt-data", "x.jsonl"])
+    assert "--hf-checkpoint" in capsys.readouterr().err
+
+
+def test_config_file_errors_name_file_and_line(base, tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("lr: 1e-5\nrolout-batch-size: 4\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(cfg)] + base)
+    assert f"--config {cfg}, line 2: unknown flag '--rolout-batch-size'" in capsys.readouterr().err
