@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: list[str] | None = None) -> EngineSettings:
-    """Parse the command line into EngineSettings (ValueError names a bad flag)."""
-    ns = build_parser().parse_args(argv)
-    return EngineSettings(**vars(ns))
+    """Parse the command line into EngineSettings; a bad flag exits with a usage error naming it."""
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    try:
+        return EngineSettings(**vars(ns))
+    except ValueError as e:  # a usage error, not a crash: argparse prints it and exits with 2
+        ap.error(str(e))
