@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 from dataclasses import dataclass, field
 
@@ -89,6 +91,24 @@ def whiten_advantages(samples: list[Sample], advantages: list[float]) -> list[fl
     per_token = torch.tensor(advantages, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
     white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
     return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
+
+
+def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int
+                     ) -> tuple[RolloutBatch, dict[str, float], list[float]]:
+    """The head both backends' ``train_step`` share: the prepared batch, the metrics every step
+    reports (also when nothing is trainable) and the advantages (whitened with
+    ``--normalize-advantages``). ``settings`` is a ``TrainSettings``."""
+    batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len)
+    metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
+                                 "train/num_samples": float(len(batch.samples))}
+    metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
+    if not batch.samples:
+        metrics["train/skipped_step"] = 1.0
+        return batch, metrics, []
+    adv = batch.advantages
+    if settings.normalize_advantages:
+        adv = whiten_advantages(batch.samples, adv)
+    return batch, metrics, adv
 
 
 def split_steps(num_trainable: int, num_input_samples: int, global_batch_size: int | None) -> list[range]:

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from buffer.sample import Sample
 from train_backend import torch_checkpoint
-from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, pack, plan_micro_batches,
-                                    prepare_batch, split_steps, whiten_advantages)
+from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, begin_train_step, pack,
+                                    plan_micro_batches, split_steps)
 from train_backend.interfaces import TrainSettings
 from train_backend.losses import LossConfig, LossDenominators, log_probs_from_logits, rl_loss
 from train_backend.schedule import lr_factor
@@ -175,16 +175,9 @@ class TorchBackend:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
         t0 = time.perf_counter()
         s = self.settings
-        batch = prepare_batch(self._receive(groups), s.advantage_estimator, s.reward_key, self.max_seq_len)
-        metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
-                                     "train/num_samples": float(len(batch.samples))}
-        metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
+        batch, metrics, adv = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
         if not batch.samples:
-            metrics["train/skipped_step"] = 1.0
             return metrics
-        adv = batch.advantages
-        if s.normalize_advantages:
-            adv = whiten_advantages(batch.samples, adv)
         norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
         steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
         plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]

@@ -25,9 +25,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from buffer.sample import Sample
-from train_backend.batching import RolloutBatch, balance, pack, prepare_batch, split_steps
+from train_backend.batching import RolloutBatch, balance, begin_train_step, pack, split_steps
 from train_backend.interfaces import TrainSettings
-from train_backend.losses import LossConfig, LossDenominators, masked_whiten, rl_loss
+from train_backend.losses import LossConfig, LossDenominators, rl_loss
 from train_backend.megatron import checkpoint, cpu_compat, forward, model as mmodel, parallel, saving
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.schedule import learning_rate
@@ -215,19 +215,9 @@ class MegatronBackend:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
         t0 = time.perf_counter()
         s = self.settings
-        batch = prepare_batch(self._receive(groups), s.advantage_estimator, s.reward_key, self.max_seq_len)
-        metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
-                                     "train/num_samples": float(len(batch.samples))}
-        metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
+        batch, metrics, adv = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
         if not batch.samples:
-            metrics["train/skipped_step"] = 1.0
             return metrics
-        adv = batch.advantages
-        if s.normalize_advantages:
-            counts = torch.tensor([sum(x.loss_mask) for x in batch.samples])  # [B]
-            per_token = torch.tensor(adv, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
-            white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
-            adv = white[torch.cumsum(counts, 0) - counts].tolist()
         norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
         steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
         plans = [self._replica_share(batch, list(r), adv) for r in steps]
