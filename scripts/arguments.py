@@ -8,6 +8,7 @@ Each part owns its flags (``<part>/arguments.py``: ``add_arguments(parser)`` and
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` with ``--config`` defaults applied first; validate once; exit 2 on errors."""
+    from rollout_manager.arguments import split_sglang_args
+
     parser = build_parser()
+    # --sglang-* flags pass through to SGLang servers; their set depends on the installed SGLang
+    argv, sglang_args = split_sglang_args(sys.argv[1:] if argv is None else list(argv))
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         try:
@@ -99,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     args = parser.parse_args(argv)
+    args.sglang_args = sglang_args
     try:
         validate(args)
     except ValueError as e:
@@ -112,8 +118,13 @@ def launcher_settings_from_args(args: argparse.Namespace) -> LauncherSettings:
 
 def validate(args: argparse.Namespace) -> None:
     """Cross-part checks; each part's own checks run in its ``settings_from_args``."""
+    import rollout_manager.arguments
+
     for module in _part_modules():
-        module.settings_from_args(args)
+        if module is rollout_manager.arguments:
+            module.settings_from_args(args, args.sglang_args)
+        else:
+            module.settings_from_args(args)
     ckpt = args.hf_checkpoint
     if not ckpt:
         raise ValueError("--hf-checkpoint is required (the model to train and serve)")

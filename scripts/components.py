@@ -88,7 +88,7 @@ class Run:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
         (self.output_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.rollout = create_rollout_manager_actor(rollout_settings(self.args), self.args,
+        self.rollout = create_rollout_manager_actor(rollout_settings(self.args, self.args.sglang_args), self.args,
                                                     str((self.output_dir / "logs").resolve()))
         self.engine_urls = ray.get(self.rollout.start.remote())
 

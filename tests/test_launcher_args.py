@@ -49,3 +49,12 @@ def test_config_file_errors_name_file_and_line(base, tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", str(cfg)] + base)
     assert f"--config {cfg}, line 2: unknown flag '--rolout-batch-size'" in capsys.readouterr().err
+
+
+def test_sglang_flags_pass_through(base, capsys):
+    args = parse_args(base + ["--rollout-engine", "sglang", "--rollout-num-gpus", "2",
+                              "--sglang-mem-fraction-static", "0.7", "--sglang-enable-torch-compile"])
+    assert args.sglang_args == ["--mem-fraction-static", "0.7", "--enable-torch-compile"]
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--sglang-mem-fraction-static", "0.7"])  # needs --rollout-engine sglang
+    assert "--rollout-engine sglang" in capsys.readouterr().err
