@@ -40,10 +40,12 @@ class Router:
         self.url = f"http://{host}:{port}"
 
     @classmethod
-    def start(cls, host: str = "127.0.0.1", port: int | None = None, policy: str = "cache_aware",
-              log_path: str | Path | None = None, timeout: float = 60.0,
-              health_check_interval: float = 2.0) -> "Router":
-        """Launch ``python -m sglang_router.launch_router`` on ``host`` and wait until it answers."""
+    def start(cls, *, policy: str, health_check_interval: float, host: str = "127.0.0.1", port: int | None = None,
+              log_path: str | Path | None = None, timeout: float = 60.0) -> "Router":
+        """Launch ``python -m sglang_router.launch_router`` on ``host`` and wait until it answers.
+
+        ``policy`` and ``health_check_interval`` come from the settings (``--router-policy``,
+        ``--health-check-interval``): their defaults live there."""
         port = port or free_port(host)
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                "--prometheus-host", host, "--prometheus-port", str(free_port(host)), "--policy", policy,

@@ -178,7 +178,7 @@ def test_running_router_and_engine_urls(toy_model_dir, tmp_path):
     ports = [free_port(), free_port()]
     procs = [subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(p),
                                "--model-path", str(toy_model_dir)]) for p in ports]
-    router = Router.start(log_path=tmp_path / "router.log")
+    router = Router.start(policy="round_robin", health_check_interval=1.0, log_path=tmp_path / "router.log")
 
     async def go():
         argv = toy_argv(toy_model_dir, "--engine-urls", *[f"127.0.0.1:{p}" for p in ports],
