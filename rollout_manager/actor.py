@@ -36,6 +36,7 @@ class RolloutManagerActor:
     def __init__(self, settings: RolloutSettings, args: argparse.Namespace, log_dir: str | None = None):
         self._m = RolloutManager(settings, args, log_dir)
         self._stop_async = False
+        self._unread_metrics: list[dict[str, float]] = []
 
     async def start(self) -> list[str]:
         await self._m.start()
@@ -74,6 +75,12 @@ class RolloutManagerActor:
             if self._stop_async:
                 break
             out.append(await self._m.push(rid, handle))
+            self._unread_metrics.append(out[-1])
+        return out
+
+    async def drain_metrics(self) -> list[dict[str, float]]:
+        """Metrics of the rollouts ``run_async`` pushed since the last call (for the trainer's log)."""
+        out, self._unread_metrics = self._unread_metrics, []
         return out
 
     async def stop_async(self) -> None:

@@ -209,6 +209,8 @@ class Run:
         import ray
 
         self._pending["perf/step_time"] = step_time
+        if self._async_ref is not None:  # the producer's rollouts finished since the last step
+            self._pending.update(_mean_metrics(ray.get(self.rollout.drain_metrics.remote())))
         if self.buffer is not None:
             m = ray.get(self.buffer.metrics.remote())
             self._pending.update({f"buffer/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
@@ -269,6 +271,12 @@ class Run:
             yield
         finally:
             self._pending[key] = self._pending.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean of several metric records (keys missing from some records average the rest)."""
+    keys = {k for r in records for k in r}
+    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in keys}
 
 
 def _is_plain(v: Any) -> bool:

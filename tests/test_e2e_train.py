@@ -81,6 +81,10 @@ def test_async_mode_keeps_the_staleness_bound(warm_toy, tmp_path):
             for s in group:  # trained at step k under version k: the oldest segment is >= k - 1
                 lags.append(step - min(s.weight_versions))
     assert max(lags) <= 1 and min(lags) >= 0
+    # the producer's rollout metrics reach the log too, at the first step logged after they
+    # finished: rollout k (versions >= k - 1) is trained at step k and logged by step k + 1
+    produced = [r for r in train_records(records) if "rollout/reward_mean" in r]
+    assert produced and all(r["rollout/weight_version_min"] >= r["step"] - 2 for r in produced)
 
 
 def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
