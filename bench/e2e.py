@@ -100,32 +100,54 @@ def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: in
                     break
         finally:
             _stop(proc)
-    rows = _read_jsonl(metrics)
+    (out / "launch.json").write_text(json.dumps({"t_launch": t_launch, "exit_code": proc.returncode}))
+    return summarize_reservoir(out, target)
+
+
+def summarize_reservoir(out: Path, target: float) -> dict:
+    """The mode's numbers from its metrics.jsonl (and launch.json: process start time, exit code).
+
+    ``median_split_s``: per-step medians; ``mean_split_s``: totals / steps, which also shows the
+    tail (slow steps on the loaded machine) and ``between_steps`` (logging and the buffer-metrics
+    call after each step, outside ``perf/step_time``).
+    """
+    launch = json.loads((out / "launch.json").read_text())
+    t_launch = launch["t_launch"]
+    rows = _read_jsonl(out / "run" / "metrics.jsonl")
     steps = [r for r in rows if "perf/step_time" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
     if not steps:
-        raise RuntimeError(f"reservoir {mode}: no training step logged (see {out / 'stdout.log'})")
+        raise RuntimeError(f"reservoir run {out}: no training step logged (see {out / 'stdout.log'})")
     reached = next((r for r in evals if r["eval/accuracy"] >= target), None)
     first = steps[0]
     train_start = first["time"] - first["perf/step_time"] - first.get("perf/eval_time", 0.0)
-    split = {}
+    wall = steps[-1]["time"] - train_start
+    n = len(steps)
+    split, mean = {}, {}
     for name, key in SPLIT_KEYS.items():
         split[name] = statistics.median(r.get(key, 0.0) for r in steps)
+        mean[name] = sum(r.get(key, 0.0) for r in steps) / n
     others = [r["perf/step_time"] - sum(r.get(k, 0.0) for k in SPLIT_KEYS.values()) - r.get("perf/eval_time", 0.0)
               for r in steps]
     split["other"] = statistics.median(others)
     split["step"] = statistics.median(r["perf/step_time"] for r in steps)
+    mean["eval"] = sum(r.get("perf/eval_time", 0.0) for r in steps) / n
+    mean["other"] = sum(others) / n
+    mean["step"] = sum(r["perf/step_time"] for r in steps) / n
+    mean["between_steps"] = wall / n - mean["step"]
+    mean["wall_per_step"] = wall / n
     return {
         "time_to_0.9_s": reached["time"] - t_launch if reached else None,
         "time_to_0.9_from_first_step_s": reached["time"] - train_start if reached else None,
         "startup_s": train_start - t_launch,
         "steps_to_0.9": reached["step"] if reached else None,
-        "steps": len(steps),
-        "steps_per_s": len(steps) / (steps[-1]["time"] - train_start),
+        "steps": n,
+        "steps_per_s": n / wall,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
         "eval_history": [(r["step"], round(r["eval/accuracy"], 4)) for r in evals],
         "median_split_s": {k: round(v, 4) for k, v in split.items()},
-        "reached": reached is not None, "exit_code": proc.returncode, "run_dir": str(out),
+        "mean_split_s": {k: round(v, 4) for k, v in mean.items()},
+        "reached": reached is not None, "exit_code": launch["exit_code"], "run_dir": str(out),
     }
 
 
@@ -159,14 +181,18 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 def table(metrics: dict[str, dict]) -> str:
     lines = ["| mode | time to 0.9 (s, from start) | from first step (s) | steps to 0.9 | steps/s | final acc | "
-             "median step split (s): rollout / buffer / train / weight sync / other |",
-             "|---|---|---|---|---|---|---|"]
+             "median step split (s): rollout / buffer / train / weight sync / other | "
+             "mean step split (s): same / eval / between steps |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode, m in metrics.items():
         s = m.get("median_split_s")
         split = " / ".join(f"{s[k]:.3f}" for k in ("rollout", "buffer", "train", "weight_sync", "other")) if s else "-"
+        a = m.get("mean_split_s")
+        mean = " / ".join(f"{a[k]:.3f}" for k in ("rollout", "buffer", "train", "weight_sync", "other", "eval",
+                                                  "between_steps")) if a else "-"
         lines.append(f"| {mode} | {_fmt(m['time_to_0.9_s'])} | {_fmt(m['time_to_0.9_from_first_step_s'])} | "
                      f"{_fmt(m['steps_to_0.9'], 'd')} (of {m['steps']}) | {m['steps_per_s']:.3f} | "
-                     f"{_fmt(m['final_accuracy'], '.3f')} | {split} |")
+                     f"{_fmt(m['final_accuracy'], '.3f')} | {split} | {mean} |")
     return "\n".join(lines)
 
 
@@ -182,7 +208,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--merge-as", default=None,
                     help="add this invocation's modes to the existing results file under '<mode>_<suffix>' "
                          "(a supplementary run, e.g. a longer TRL cap), keeping the rest of it")
+    ap.add_argument("--resummarize", action="store_true",
+                    help="recompute the Reservoir modes of the results file from their run directories "
+                         "(metrics.jsonl + launch.json); runs nothing")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        result = json.loads(RESULT.read_text())
+        for k, m in result["metrics"].items():
+            if k.startswith("reservoir"):
+                result["metrics"][k] = summarize_reservoir(Path(m["run_dir"]), args.target)
+        RESULT.write_text(json.dumps(result, indent=1) + "\n")
+        print(table(result["metrics"]))
+        return result
 
     work = args.work_dir or Path(f"/tmp/e2e-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}")
     work.mkdir(parents=True, exist_ok=True)
