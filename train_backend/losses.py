@@ -14,13 +14,12 @@ full batch, however it was split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from train_backend.interfaces import TrainSettings
+from train_backend.interfaces import TrainSettings
+from train_backend.interfaces import TrainSettings as _T  # the defaults of LossConfig
 
 # exp() of a log-ratio above this overflows float32 to inf and inf * 0 = NaN; a ratio of e^20 is
 # clipped by PPO anyway, so clamping changes no finite result that matters.
@@ -210,19 +209,20 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, seq_ids: Tensor, num_seqs
 # --- the whole objective ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LossConfig:
-    """The loss-related part of :class:`~train_backend.interfaces.TrainSettings`."""
+    """The loss-related part of :class:`~train_backend.interfaces.TrainSettings` (whose field
+    defaults are the defaults here too: one place)."""
 
-    sequence_level_ratio: bool = False  # GSPO
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    loss_agg: str = "token_mean"
-    use_kl_loss: bool = False
-    kl_coef: float = 0.0
-    kl_loss_type: str = "k3"
-    entropy_coef: float = 0.0
-    use_tis: bool = False
-    tis_cap: float = 2.0
+    sequence_level_ratio: bool = False  # GSPO (TrainSettings: advantage_estimator == "gspo")
+    eps_clip: float = _T.eps_clip
+    eps_clip_high: float | None = _T.eps_clip_high
+    eps_clip_c: float | None = _T.eps_clip_c
+    loss_agg: str = _T.loss_agg
+    use_kl_loss: bool = _T.use_kl_loss
+    kl_coef: float = _T.kl_coef
+    kl_loss_type: str = _T.kl_loss_type
+    entropy_coef: float = _T.entropy_coef
+    use_tis: bool = _T.use_tis
+    tis_cap: float = _T.tis_cap
 
     @classmethod
     def from_settings(cls, s: "TrainSettings") -> "LossConfig":
