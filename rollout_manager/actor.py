@@ -121,5 +121,10 @@ def create_rollout_manager_actor(settings: RolloutSettings, args: argparse.Names
         cause = e.__cause__ or getattr(e, "cause", None)
         if isinstance(cause, ValueError):
             raise cause from None
+        # Ray 2.60 keeps only the text of an error raised in the actor's __init__: recover the
+        # ValueError's message (it names the flag) so the caller reports it as a setting error
+        messages = [line.split("ValueError: ", 1)[1] for line in str(e).splitlines() if "ValueError: " in line]
+        if messages:
+            raise ValueError(messages[-1]) from None
         raise
     return handle

@@ -34,7 +34,6 @@ class Run:
         self.start_step = 0
         self.buffer = self.rollout = self.trainer = self.sender = None
         self._pending: dict[str, float] = {}
-        self._timers: dict[str, float] = {}
         self._async_ref = None
         self._owns_ray = False
         self.max_staleness = args.max_weight_staleness or 0

@@ -23,7 +23,10 @@ from components import Run  # noqa: E402
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    run = Run.start(args)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
+    try:
+        run = Run.start(args)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
+    except ValueError as e:  # a bad setting found while starting a part (plugin path, prompt file, ...)
+        sys.exit(f"scripts/train.py: error: {e}")
     try:
         if run.should_eval(run.start_step, before_train=True):
             run.evaluate(run.start_step)

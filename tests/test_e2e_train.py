@@ -127,3 +127,13 @@ def test_debug_rollout_only_then_debug_train_only(warm_toy, tmp_path):
     steps = train_records(records)
     assert [r["step"] for r in steps] == [0, 1] and steps[1]["train/num_samples"] == 128
     assert not [r for r in records if "rollout/reward_mean" in r]  # no engines in this mode
+
+
+def test_bad_plugin_path_is_a_clear_start_up_error(warm_toy, tmp_path):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.run(train_cmd(warm_toy, tmp_path / "bad", "--custom-rm-path", "no_such_pkg.rm"), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    # the driver's own last word names the flag and the path (Ray may also echo the actor's log)
+    assert any(line.startswith("scripts/train.py: error: --custom-rm-path 'no_such_pkg.rm': cannot import")
+               for line in proc.stderr.splitlines()), proc.stderr[-2000:]
