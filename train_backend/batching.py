@@ -13,16 +13,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
-from train_backend.losses import compute_advantages, masked_whiten
+from train_backend.losses import LossDenominators, compute_advantages, masked_whiten
 
 SKIP_REASONS = ("status", "empty_response", "zero_loss_mask", "too_long")
 
@@ -93,22 +92,37 @@ def whiten_advantages(samples: list[Sample], advantages: list[float]) -> list[fl
     return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
 
 
-def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int
-                     ) -> tuple[RolloutBatch, dict[str, float], list[float]]:
-    """The head both backends' ``train_step`` share: the prepared batch, the metrics every step
-    reports (also when nothing is trainable) and the advantages (whitened with
-    ``--normalize-advantages``). ``settings`` is a ``TrainSettings``."""
+@dataclass
+class TrainStepStart:
+    """What both backends' ``train_step`` start from: the prepared batch, the metrics every step
+    reports (also when nothing is trainable), the advantages (whitened with
+    ``--normalize-advantages``), and the optimizer steps (sample index ranges) with the loss
+    denominators of each."""
+
+    batch: RolloutBatch
+    metrics: dict[str, float]
+    advantages: list[float]
+    steps: list[range]
+    denominators: list[LossDenominators]
+
+
+def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int) -> TrainStepStart:
+    """The head of ``train_step`` shared by both backends (``settings`` is a ``TrainSettings``)."""
     batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len)
     metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
                                  "train/num_samples": float(len(batch.samples))}
     metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
     if not batch.samples:
         metrics["train/skipped_step"] = 1.0
-        return batch, metrics, []
+        return TrainStepStart(batch, metrics, [], [], [])
     adv = batch.advantages
     if settings.normalize_advantages:
         adv = whiten_advantages(batch.samples, adv)
-    return batch, metrics, adv
+    norm_length = float(settings.loss_agg_norm_length or max(x.response_length for x in batch.samples))
+    steps = split_steps(len(batch.samples), batch.num_input_samples, settings.global_batch_size)
+    denominators = [LossDenominators(float(sum(sum(batch.samples[i].loss_mask) for i in r)), float(len(r)),
+                                     norm_length) for r in steps]
+    return TrainStepStart(batch, metrics, adv, steps, denominators)
 
 
 def split_steps(num_trainable: int, num_input_samples: int, global_batch_size: int | None) -> list[range]:

@@ -22,9 +22,9 @@ from torch import Tensor
 from buffer.sample import Sample
 from train_backend import torch_checkpoint
 from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, begin_train_step, pack,
-                                    plan_micro_batches, split_steps)
+                                    plan_micro_batches)
 from train_backend.interfaces import TrainSettings
-from train_backend.losses import LossConfig, LossDenominators, log_probs_from_logits, rl_loss
+from train_backend.losses import LossConfig, log_probs_from_logits, rl_loss
 from train_backend.schedule import lr_factor
 
 # Per-token stats of rl_loss that are token means over the step (averaged over optimizer steps).
@@ -175,11 +175,10 @@ class TorchBackend:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
         t0 = time.perf_counter()
         s = self.settings
-        batch, metrics, adv = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
+        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
+        batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
         if not batch.samples:
             return metrics
-        norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
-        steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
         plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]
         # old_logp: the policy before this rollout's updates. With a single optimizer step the
         # policy does not change before each micro-batch's forward, so that forward's detached
@@ -192,10 +191,7 @@ class TorchBackend:
 
         sums: dict[str, Tensor] = {}
         grad_norms, lrs, tokens = [], [], 0
-        for k, (r, mbs) in enumerate(zip(steps, plans)):
-            step_samples = [batch.samples[i] for i in r]
-            denom = LossDenominators(float(sum(sum(x.loss_mask) for x in step_samples)), float(len(step_samples)),
-                                     norm_length)
+        for k, (mbs, denom) in enumerate(zip(plans, start.denominators)):
             lrs.append(self.optimizer.param_groups[0]["lr"])
             for j, mb in enumerate(mbs):
                 logp, entropy = self._log_probs(self.model, mb, True, entropy_grad=s.entropy_coef != 0)

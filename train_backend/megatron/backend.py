@@ -25,7 +25,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from buffer.sample import Sample
-from train_backend.batching import RolloutBatch, balance, begin_train_step, pack, split_steps
+from train_backend.batching import RolloutBatch, balance, begin_train_step, pack
 from train_backend.interfaces import TrainSettings
 from train_backend.losses import LossConfig, LossDenominators, rl_loss
 from train_backend.megatron import checkpoint, cpu_compat, forward, model as mmodel, parallel, saving
@@ -215,11 +215,10 @@ class MegatronBackend:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
         t0 = time.perf_counter()
         s = self.settings
-        batch, metrics, adv = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
+        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
+        batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
         if not batch.samples:
             return metrics
-        norm_length = float(s.loss_agg_norm_length or max(x.response_length for x in batch.samples))
-        steps = split_steps(len(batch.samples), batch.num_input_samples, s.global_batch_size)
         plans = [self._replica_share(batch, list(r), adv) for r in steps]
         # Old log-probs: with one optimizer step the policy is unchanged at each forward, so the
         # detached training log-probs are the old ones; otherwise a forward-only pass first.
@@ -234,10 +233,7 @@ class MegatronBackend:
 
         sums = torch.zeros(len(_ALL_STATS), dtype=torch.float64)
         grad_norms, lrs, tokens = [], [], 0
-        for k, (r, mbs) in enumerate(zip(steps, plans)):
-            step_samples = [batch.samples[i] for i in r]
-            denom = LossDenominators(float(sum(sum(x.loss_mask) for x in step_samples)),
-                                     float(len(step_samples)), norm_length)
+        for k, (mbs, denom) in enumerate(zip(plans, start.denominators)):
 
             def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom
                         ) -> tuple[torch.Tensor, dict]:
