@@ -22,6 +22,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_toy_model import make_task, write_task  # noqa: E402  (the sibling script)
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is {a} + {b}? Answer with just the number."
 # Strings whose token ids must be the same through the GGUF tokenizer and the saved one.
@@ -47,9 +50,6 @@ def make_rows(n: int, lo: int, hi: int, seed: int) -> list[dict]:
 
     The operands come from the toy task's generator (``make_toy_model.make_task``), so the two
     examples draw their numbers the same way."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_toy_model import make_task
-
     rows, attempt = [], 0
     while len(rows) < n:  # make_task draws from [0, hi); keep only operands >= lo
         for r in make_task(4 * n, hi, seed + 1000 * attempt):
@@ -127,14 +127,11 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"wrote {args.out} (SmolLM2-135M-Instruct, {args.dtype})")
     else:
         print(f"{args.out} already holds the model (--force converts again)")
-    (args.out / "data").mkdir(exist_ok=True)
     evals = make_rows(args.num_eval, args.min_operand, args.max_operand, args.seed + 2)
     held_out = {r["prompt"] for r in evals}  # no eval question is trained on
     train = [r for r in make_rows(2 * args.num_train, args.min_operand, args.max_operand, args.seed + 1)
              if r["prompt"] not in held_out][:args.num_train]
-    for name, rows in (("train", train), ("eval", evals)):
-        with open(args.out / "data" / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_task(args.out, train, evals)
     print(f"wrote {args.out}/data: {len(train)} train, {len(evals)} eval prompts")
     return args.out
 

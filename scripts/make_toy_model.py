@@ -64,6 +64,14 @@ def make_task(n: int, max_operand: int, seed: int) -> list[dict]:
     return rows
 
 
+def write_task(out: Path, train: list[dict], evals: list[dict]) -> None:
+    """Write the task as ``out/data/{train,eval}.jsonl`` (one ``{"prompt", "label"}`` row a line)."""
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("eval", evals)):
+        with open(out / "data" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def warmup(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int) -> None:
     """Supervised warm-up on ``<|user|>q<|assistant|>answer<eos>``, loss on the answer only."""
     g = torch.Generator().manual_seed(seed)
@@ -119,10 +127,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.warmup_steps:
         warmup(model, tok, train, args.warmup_steps, args.warmup_lr, args.warmup_batch_size, args.seed)
     model.save_pretrained(args.out, safe_serialization=True)
-    (args.out / "data").mkdir(exist_ok=True)
-    for name, rows in (("train", train), ("eval", evals)):
-        with open(args.out / "data" / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_task(args.out, train, evals)
     print(f"wrote {args.out} ({sum(p.numel() for p in model.parameters())} parameters, vocab {len(tok)})")
     return args.out
 
