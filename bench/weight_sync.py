@@ -147,13 +147,17 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
                     bare_t[mode].append(time.perf_counter() - t)
             for k, snd in enumerate(senders):
                 version += 1
+                traced = k == 0 and r == rounds - 1  # the head variant's last timed push
+                snd.trace = [] if traced else None
                 m = snd.push(named, version=version)
                 if r:
                     runs[k].append(m)
+                if traced:
+                    trace = _timeline(snd.trace, port)
         del bare_bufs
         grp.destroy()
         out = {"bare_bucketed_s": statistics.median(bare_t["bucketed"]),
-               "bare_single_s": statistics.median(bare_t["single"]), "variants": {}}
+               "bare_single_s": statistics.median(bare_t["single"]), "variants": {}, "trace": trace}
         for (fmt, bucket), snd, rs in zip(args.variants, senders, runs):
             snd.settings.check_equal = True  # the timed pushes really land: check one more
             version += 1
@@ -180,6 +184,30 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
                     p.kill()
                     p.wait()
         os.unlink(f.name)
+
+
+def _timeline(sender_trace: list, port: int) -> list[str]:
+    """One push's timeline, trainer and engine events merged, in ms from the pause request.
+
+    Trainer events come from ``WeightSender.trace``; the engine's per-bucket timings from its
+    ``/server_info`` (``weight_update_trace``): handler entered, receive queued, weights applied.
+    Both use perf_counter (CLOCK_MONOTONIC, shared by the processes of one host).
+    """
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=30) as r:
+        engine = json.loads(r.read())["weight_update_trace"]
+    t0 = sender_trace[0][2]
+    events = [(t, f"trainer {name}" + (f" {i}" if i >= 0 else "")) for name, i, t in sender_trace]
+    engine = [e for e in engine if e["handler"] >= t0][-len({i for _, i, _ in sender_trace if i >= 0}):]
+    for i, e in enumerate(engine):
+        for key in ("handler", "recv_queued", "applied"):
+            if key in e:
+                events.append((e[key], f"engine  {key} {i} ({e['bytes'] / 2**20:.0f} MiB)" if key == "handler"
+                               else f"engine  {key} {i}"))
+    lines = [f"{(t - t0) * 1e3:9.3f} ms  {what}" for t, what in sorted(events)]
+    print("\n".join(["timeline of the last push:"] + lines), file=sys.stderr)
+    return lines
 
 
 def bare_receiver(plan_file: str, port: int, device: str, backend: str) -> None:
@@ -268,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
              "transfer_s": head["transfer_s"], "pause_s": head["pause_s"], "continue_s": head["continue_s"],
              "bare_bucketed_s": bare["bucketed"], "bare_single_s": bare["single"],
              "ceiling_gib_s": nbytes / GiB / ceiling, "ratio": head["ratio"], "checked_equal": True,
-             "variants": variants}
+             "variants": variants, "trace_last_push": res["trace"]}
         metrics[name] = m
         for key, v in variants.items():
             rows.append((name, key, nbytes / GiB, int(v["num_buckets"]), v["push_s"] * 1e3, v["push_gib_s"],

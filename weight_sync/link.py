@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_manager.engine_client import EngineClient
-from weight_sync._loop import free_port, in_thread
+from weight_sync._loop import SerialThread, free_port, in_thread
 from weight_sync.buckets import flatten_bucket
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.plan import Bucket
@@ -46,6 +46,8 @@ class Link:
     device: torch.device
     flattened: bool
     broken: bool = False  # rank 0's side was aborted after a failure
+    # rank 0's collectives of this group, issued in order from one thread
+    worker: SerialThread = field(default_factory=lambda: SerialThread("weight-sync-broadcast"))
     # CPU only: two reused packing buffers (fresh multi-MB allocations come back from the OS as new
     # pages, and faulting them in cost more than the copy itself). Bucket k packs into slot k % 2;
     # gloo transfers are complete when send_bucket returns, so slot k % 2 is free again at k + 2.
@@ -123,7 +125,7 @@ async def send_bucket(link: Link, bucket: Bucket, packed: list[torch.Tensor], se
                                                weight_version=weight_version, flush_cache=flush_cache,
                                                load_format=fmt, timeout=s.timeout_s)
              for _, _, c in link.members]
-    bcast = in_thread(_broadcast, link.group, packed, link.device)
+    bcast = link.worker.submit(_broadcast, link.group, packed, link.device)
     outs = await _gather_bounded([asyncio.wait_for(bcast, s.timeout_s), *posts], s.timeout_s,
                                  on_failure=lambda: abort_link(link))
     failed = _failures([TRAINER] + link.urls, outs, "update_weights_from_distributed")
@@ -137,7 +139,7 @@ async def wait_transfer(link: Link, event: "torch.cuda.Event | None", timeout_s:
     if event is None:
         return
     try:
-        await asyncio.wait_for(in_thread(event.synchronize), timeout_s)
+        await asyncio.wait_for(link.worker.submit(event.synchronize), timeout_s)
     except Exception as e:
         await abort_link(link)
         raise PushFailed({TRAINER: f"broadcast did not complete: {type(e).__name__}: {e}"}) from e
@@ -146,6 +148,8 @@ async def wait_transfer(link: Link, event: "torch.cuda.Event | None", timeout_s:
 async def close_link(link: Link, timeout_s: float, urls_alive: set[str] | None = None) -> None:
     """Leave the group on the engines (those in ``urls_alive``, default all) and on rank 0."""
     members = [m for m in link.members if urls_alive is None or m[0] in urls_alive]
+
+    link.worker.stop()
 
     async def mine() -> None:
         if link.broken:
@@ -194,6 +198,7 @@ async def abort_link(link: Link) -> None:
     bucket (their requests then fail now instead of at their own, possibly long, timeout);
     ``ProcessGroup.abort()`` does not do that for gloo (measured with torch 2.13)."""
     link.broken = True
+    link.worker.stop()
     ref, link.group.pg = [link.group.pg], None  # type: ignore[assignment]  # the only reference left
 
     def drop(pg_ref: list) -> None:

@@ -58,6 +58,9 @@ class WeightSender:
         self._generation = 0
         self._loop = LoopThread()
         self._closed = False
+        # Set to a list to record each push's timeline: (event, bucket index or -1,
+        # time.perf_counter()) from pause to continue; bench/weight_sync.py prints it.
+        self.trace: list[tuple[str, int, float]] | None = None
 
     # --- public API --------------------------------------------------------------------------
     def connect(self, engine_urls: list[str], engine_gpus: list[int] | None = None) -> None:
@@ -155,6 +158,10 @@ class WeightSender:
                 return e
         raise ValueError(f"engine_url {url!r}: not one of the connected engines")
 
+    def _mark(self, event: str, bucket: int = -1) -> None:
+        if self.trace is not None:
+            self.trace.append((event, bucket, time.perf_counter()))
+
     def _record_version(self, version: int) -> None:
         sink = self.version_sink
         if sink is None:
@@ -225,16 +232,20 @@ class WeightSender:
                 if s.transport == "distributed":  # pack the first bucket while the engines pause
                     first = asyncio.get_running_loop().run_in_executor(None, link.pack, named, buckets[0],
                                                                        link.device)
+                self._mark("pause")
                 await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
                 t_paused = time.perf_counter()
+                self._mark("paused")
                 if s.transport == "distributed":
                     bcast_s = await self._send_all(link, named, buckets, version, progress, first)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
                 check_s = await check_equal(members, named, s.timeout_s) if s.check_equal else 0.0
                 t_checked = time.perf_counter()
+                self._mark("continue")
                 await call_all(members, lambda c: c.continue_generation(), "continue_generation")
                 t1 = time.perf_counter()
+                self._mark("continued")
             except PushFailed as err:
                 last_error = err
                 logger.warning("push v%d attempt %d failed: %s", version, attempt + 1, err)
@@ -267,20 +278,26 @@ class WeightSender:
         inflight: deque = deque()  # CUDA events of queued transfers (nccl); bounds memory in flight
         for i, b in enumerate(buckets):
             packed = await flat_next
+            self._mark("packed", i)
             if i + 1 < len(buckets):  # pack the next bucket while this one travels
                 flat_next = loop.run_in_executor(None, link.pack, named, buckets[i + 1], dev)
             last = i == len(buckets) - 1
             ev = await send_bucket(link, b, packed, s, weight_version=str(version) if last else None,
                                    flush_cache=last)
+            self._mark("answered", i)
             del packed
             if ev is not None:
-                inflight.append(ev)
+                inflight.append((i, ev))
                 if len(inflight) >= _MAX_INFLIGHT:
-                    await wait_transfer(link, inflight.popleft(), s.timeout_s)
+                    j, done = inflight.popleft()
+                    await wait_transfer(link, done, s.timeout_s)
+                    self._mark("transferred", j)
             if progress is not None:
                 progress(i + 1, len(buckets))
         while inflight:
-            await wait_transfer(link, inflight.popleft(), s.timeout_s)
+            j, done = inflight.popleft()
+            await wait_transfer(link, done, s.timeout_s)
+            self._mark("transferred", j)
         return time.perf_counter() - t
 
     async def _send_disk(self, members: list[EngineState], named, version: int) -> float:

@@ -243,7 +243,8 @@ class Engine:
                   "version": VERSION, "status": "ready",
                   "internal_states": [{"weight_version": self.scheduler.weight_version,
                                        "decode_steps": self.scheduler.steps, "prefills": self.scheduler.prefills,
-                                       "finished_reqs": self.scheduler.finished, **self.scheduler.load()}]})
+                                       "finished_reqs": self.scheduler.finished, **self.scheduler.load()}],
+                  "weight_update_trace": list(self.weights.trace)})
         return _json(s)
 
     async def get_load(self, request: web.Request) -> web.Response:

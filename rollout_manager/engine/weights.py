@@ -16,8 +16,10 @@ so the group stays consistent for the next bucket.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,10 @@ class WeightManager:
         self.groups: dict[str, _Group] = {}
         self._params = runner.named_tensors()
         self._backup: dict[str, torch.Tensor] | None = None  # weights offloaded by release_memory
+        # Timings of the last buckets received (``/server_info`` shows them): where a push's
+        # time goes on the engine side. perf_counter is CLOCK_MONOTONIC, comparable across
+        # processes of one host, so the trainer can line these up with its own timeline.
+        self.trace: collections.deque[dict[str, float]] = collections.deque(maxlen=256)
 
     # --- groups -----------------------------------------------------------------------------
     async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -92,6 +98,7 @@ class WeightManager:
     async def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                       group_name: str, load_format: str | None,
                                       weight_version: str | None = None) -> None:
+        rec = {"handler": time.perf_counter()}  # this bucket's timeline (``self.trace``)
         g = self.groups.get(group_name)
         if g is None:
             raise WeightUpdateError(f"group_name: no group {group_name!r} (call /init_weights_update_group)")
@@ -111,8 +118,10 @@ class WeightManager:
                                     "the broadcast was not drained")
         problem = self._check(names, tdtypes, tshapes)  # validated now, reported after draining
         dev = self.runner.device
+        rec["bytes"] = float(sum(bucket_numel([sh]) * dt.itemsize for sh, dt in zip(tshapes, tdtypes)))
 
         def receive() -> list[torch.Tensor]:
+            rec["recv_start"] = time.perf_counter()
             if flat:
                 buf = torch.empty(bucket_numel(tshapes), dtype=tdtypes[0], device=dev)  # [numel]
                 g.group.broadcast(buf, src=0)
@@ -125,9 +134,12 @@ class WeightManager:
             return out
 
         tensors = await asyncio.get_running_loop().run_in_executor(g.executor, receive)
+        rec["recv_queued"] = time.perf_counter()
         if problem:
             raise WeightUpdateError(problem)
         await self._apply(dict(zip(names, tensors)), weight_version)
+        rec["applied"] = time.perf_counter()
+        self.trace.append(rec)
 
     async def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
@@ -164,9 +176,13 @@ class WeightManager:
         params, sched = self._params, self.scheduler
 
         def copy() -> None:
+            same = [(params[n], t) for n, t in tensors.items() if params[n].dtype == t.dtype]
             with torch.no_grad():
+                if same:  # one fused launch for the bucket instead of one copy per tensor
+                    torch._foreach_copy_([p for p, _ in same], [t for _, t in same])
                 for n, t in tensors.items():
-                    params[n].copy_(t)  # casts to the engine's dtype
+                    if params[n].dtype != t.dtype:
+                        params[n].copy_(t)  # casts to the engine's dtype
             if weight_version is not None:  # the version switches with the weights, atomically
                 sched.weight_version = str(weight_version)
 
