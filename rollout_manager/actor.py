@@ -118,13 +118,20 @@ def create_rollout_manager_actor(settings: RolloutSettings, args: argparse.Names
     try:
         ray.get(handle.ping.remote())
     except ray.exceptions.RayActorError as e:
-        cause = e.__cause__ or getattr(e, "cause", None)
-        if isinstance(cause, ValueError):
-            raise cause from None
-        # Ray 2.60 keeps only the text of an error raised in the actor's __init__: recover the
-        # ValueError's message (it names the flag) so the caller reports it as a setting error
-        messages = [line.split("ValueError: ", 1)[1] for line in str(e).splitlines() if "ValueError: " in line]
-        if messages:
-            raise ValueError(messages[-1]) from None
+        setting = creation_setting_error(e)
+        if setting is not None:
+            raise setting from None
         raise
     return handle
+
+
+def creation_setting_error(e: BaseException) -> ValueError | None:
+    """The ``ValueError`` (a bad setting; its message names the flag) behind a Ray actor's
+    creation error, or None when the actor died of something else."""
+    cause = e.__cause__ or getattr(e, "cause", None)
+    if isinstance(cause, ValueError):
+        return cause
+    # Ray 2.60 keeps only the text of an error raised in the actor's __init__: recover the
+    # ValueError's message so the caller reports it as a setting error
+    messages = [line.split("ValueError: ", 1)[1] for line in str(e).splitlines() if "ValueError: " in line]
+    return ValueError(messages[-1]) if messages else None

@@ -125,6 +125,9 @@ def validate(args: argparse.Namespace) -> None:
             module.settings_from_args(args, args.sglang_args)
         else:
             module.settings_from_args(args)
+    from train_backend.arguments import group_settings_from_args
+
+    group_settings_from_args(args)  # trainer ranks vs. the backend's parallel layout
     ckpt = args.hf_checkpoint
     if not ckpt:
         raise ValueError("--hf-checkpoint is required (the model to train and serve)")

@@ -24,15 +24,17 @@ STATE_FILE = "driver_state.json"
 
 
 class Run:
-    """Everything one training run holds: Ray, the buffer, the rollout manager, the trainer,
-    the weight sender, the metrics log, and the step to start from."""
+    """Everything one training run holds: Ray, the buffer, the rollout manager, the trainer
+    ranks (a Ray actor group; rank 0 owns the weight sender), the metrics log, and the step to
+    start from."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.s = launcher_settings_from_args(args)
         self.output_dir = Path(self.s.output_dir)
         self.start_step = 0
-        self.buffer = self.rollout = self.trainer = self.sender = None
+        self.buffer = self.rollout = self.trainer = None
+        self.weight_sync_connected = False
         self._pending: dict[str, float] = {}
         self._async_ref = None
         self._owns_ray = False
@@ -47,6 +49,7 @@ class Run:
         run._seed(args.seed)
         run.logger = MetricsLogger(run.output_dir, run.s.use_tensorboard, run.s.use_wandb, run.s.wandb_project,
                                    run_config={k: v for k, v in vars(args).items() if _is_plain(v)})
+        run._start_ray()
         if not run.s.debug_train_only:
             run._start_rollout_side()
         if not run.s.debug_rollout_only:
@@ -70,6 +73,15 @@ class Run:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
+    def _start_ray(self) -> None:
+        """Every mode needs Ray: the trainer ranks are actors too (--debug-train-only included)."""
+        import ray
+
+        if not ray.is_initialized():
+            self._owns_ray = True
+            ray.init(address=self.s.ray_address, include_dashboard=False, log_to_driver=True,
+                     configure_logging=True, logging_level="WARNING")
+
     def _start_rollout_side(self) -> None:
         import ray
 
@@ -78,10 +90,6 @@ class Run:
         from rollout_manager.arguments import settings_from_args as rollout_settings
         from rollout_manager.actor import create_rollout_manager_actor
 
-        if not ray.is_initialized():
-            self._owns_ray = True
-            ray.init(address=self.s.ray_address, include_dashboard=False, log_to_driver=True,
-                     configure_logging=True, logging_level="WARNING")
         bs = buffer_settings(self.args)
         if bs.persist_dir is None and self.s.save:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
@@ -92,18 +100,22 @@ class Run:
         self.engine_urls = ray.get(self.rollout.start.remote())
 
     def _start_trainer(self) -> None:
-        from train_backend import create_backend
+        """The trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node), one Ray actor each;
+        one rank is the same code path."""
+        from train_backend.actor_group import TrainerGroup
+        from train_backend.arguments import group_settings_from_args
         from train_backend.arguments import settings_from_args as train_settings
         from train_backend.megatron.arguments import settings_from_args as megatron_settings
 
-        self.trainer = create_backend(train_settings(self.args), megatron_settings(self.args))
+        self.trainer = TrainerGroup(train_settings(self.args), megatron_settings(self.args),
+                                    group_settings_from_args(self.args))
 
     def _connect_weight_sync(self) -> None:
         from weight_sync.arguments import settings_from_args as sync_settings
-        from weight_sync.sender import WeightSender
 
-        self.sender = WeightSender(sync_settings(self.args), version_sink=self.buffer)
-        self.sender.connect(self.engine_urls)
+        # rank 0 records each pushed version in the buffer (its actor handle travels to the rank)
+        self.trainer.connect_weight_sync(sync_settings(self.args), self.engine_urls, self.buffer)
+        self.weight_sync_connected = True
         if self.start_step > 0:  # resumed: the engines still serve the initial checkpoint
             self.update_weights(self.start_step)
 
@@ -162,10 +174,10 @@ class Run:
 
     def update_weights(self, version: int) -> None:
         """Push the trainer's weights to every engine; the buffer's version becomes ``version``."""
-        if self.sender is None:
+        if not self.weight_sync_connected:
             return
         with self._timer("perf/weight_sync_time"):
-            metrics = self.sender.push(self.trainer.named_hf_weights(), version)
+            metrics = self.trainer.push_weights(version)
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
 
     def maybe_save(self, step: int) -> None:
@@ -180,6 +192,7 @@ class Run:
                 self.trainer.save(str(path / "trainer"))
                 if self.args.save_hf:
                     self.trainer.export_hf(self.args.save_hf.format(rollout_id=step))
+            # the driver's own RNGs; each trainer rank's are in its backend checkpoint (rng_<rank>.pt)
             state = {"step": step, "rng": _rng_state()}
             if self.rollout is not None:
                 state["rollout"] = ray.get(self.rollout.state_dict.remote())
@@ -221,8 +234,8 @@ class Run:
 
         if self._async_ref is not None:
             ray.get(self.rollout.stop_async.remote())
-        if self.sender is not None:
-            self.sender.close()
+        if self.trainer is not None:  # leaves the weight-update group before the engines stop
+            self.trainer.close()
         if self.rollout is not None:
             try:
                 ray.get(self.rollout.shutdown.remote(), timeout=60)

@@ -114,6 +114,24 @@ def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
     assert sorted(trained) == list(range(n_steps * batch))
 
 
+def test_two_trainer_ranks_push_exact_weights_and_resume(warm_toy, tmp_path):
+    """Two CPU trainer ranks (FSDP2 over gloo, Ray actors): rank 0 pulls the batch and pushes the
+    gathered weights; the engines hold exactly the trainer's weights after every push, and a
+    checkpoint of both ranks resumes."""
+    out, ckpt = tmp_path / "dp2", tmp_path / "ckpt"
+    extra = ["--actor-num-gpus-per-node", "2", "--check-weight-update-equal", "--save", str(ckpt),
+             "--rollout-batch-size", "8"]
+    steps = train_records(run_train(warm_toy, out, *extra, "--num-rollout", "2", "--save-interval", "2"))
+    assert [r["step"] for r in steps] == [0, 1]
+    assert steps[0]["train/train_rollout_logp_abs_diff"] < 1e-4  # sharded trainer == engines at step 0
+    assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/engines"] == 2 for r in steps)
+    assert sorted(p.name for p in (ckpt / "step_000001" / "trainer").glob("rng_*.pt")) == ["rng_0.pt", "rng_1.pt"]
+    steps = train_records(run_train(warm_toy, out, *extra, "--num-rollout", "3", "--load", str(ckpt)))
+    assert [r["step"] for r in steps][-1:] == [2] and steps[-1]["weight_sync/version"] == 3.0
+    # the resumed policy is the trained one: still on-policy against the engines it re-synced
+    assert steps[-1]["train/train_rollout_logp_abs_diff"] < 1e-4
+
+
 def test_debug_rollout_only_then_debug_train_only(warm_toy, tmp_path):
     dump = str(tmp_path / "dumps" / "rollout_{rollout_id}.parquet")
     records = run_train(warm_toy, tmp_path / "rollout_only", "--num-rollout", "2", "--debug-rollout-only",

@@ -29,6 +29,10 @@ def test_all_parts_compose_without_clashes(base):
      "--global-batch-size 3 must divide"),
     (["--colocate"], "--colocate is not supported yet"),
     (["--num-rollout", "0"], "--num-rollout must be >= 1"),
+    (["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "3"],
+     "3 trainer ranks (--actor-num-nodes 1 x --actor-num-gpus-per-node 3) is not a multiple of "
+     "--tensor-model-parallel-size 2"),
+    (["--train-device", "cuda:1", "--actor-num-nodes", "2"], "--train-device cuda:1 pins one device"),
 ])
 def test_bad_combinations_name_the_flags(base, extra, msg, capsys):
     with pytest.raises(SystemExit) as e:

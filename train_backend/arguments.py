@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from train_backend.actor_group import TrainerGroupSettings
 from train_backend.interfaces import (ADVANTAGE_ESTIMATORS, BACKENDS, DTYPES, KL_LOSS_TYPES, LOSS_AGGREGATIONS,
                                       LR_DECAY_STYLES, TrainSettings)
 
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-dtype", choices=DTYPES, default=T.dtype)
     g.add_argument("--save-hf", default=T.save_hf,
                    help="export an HF checkpoint at each save to this path pattern, e.g. hf/{rollout_id}")
+
+    G = TrainerGroupSettings
+    g = parser.add_argument_group("train: ranks (Ray actors; one GPU each with --train-device cuda)")
+    g.add_argument("--actor-num-nodes", type=int, default=G.actor_num_nodes, help="nodes of trainer ranks")
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=G.actor_num_gpus_per_node,
+                   help="trainer ranks per node (one GPU each; on the CPU: CPU ranks over gloo)")
 
     g = parser.add_argument_group("train: RL loss")
     g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default=T.advantage_estimator)
@@ -76,3 +83,14 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         use_tis=args.use_tis, tis_cap=args.tis_clip, rollout_temperature=args.rollout_temperature,
         reward_key=args.reward_key, device=args.train_device, dtype=args.train_dtype, seed=args.seed,
         save_hf=args.save_hf)
+
+
+def group_settings_from_args(args: argparse.Namespace) -> TrainerGroupSettings:
+    """Build :class:`TrainerGroupSettings` and check it against the backend's settings (world
+    size vs. TP x PP, a pinned device with several ranks); ``ValueError`` names the flags."""
+    from train_backend.megatron.arguments import settings_from_args as megatron_settings
+
+    group = TrainerGroupSettings(actor_num_nodes=args.actor_num_nodes,
+                                 actor_num_gpus_per_node=args.actor_num_gpus_per_node)
+    group.validate(settings_from_args(args), megatron_settings(args))
+    return group

@@ -1,0 +1,292 @@
+"""The trainer ranks as a group of Ray actors: one :class:`TrainerRank` per rank, driven together
+by a :class:`TrainerGroup` in the launcher's process.
+
+    group = TrainerGroup(train_settings, megatron_settings, TrainerGroupSettings(actor_num_gpus_per_node=2))
+    metrics = group.train_step(groups, step)             # rank 0 gets the groups, the others None
+    group.connect_weight_sync(sync_settings, engine_urls, buffer)
+    group.push_weights(step + 1)                         # every rank gathers, rank 0 broadcasts
+    group.close()
+
+Every rank runs the same backend method at the same time (the methods are collectives under
+FSDP2 and TP/PP/DP) and the driver returns rank 0's result. Placement: with ``--train-device
+cuda`` one placement group holds one ``{"GPU": 1, "CPU": 1}`` bundle per rank (PACK), each rank
+pinned to its bundle, so Ray picks the node and the GPU (``CUDA_VISIBLE_DEVICES``: device 0
+inside the actor). On the CPU the ranks take no Ray resources (like the buffer and the rollout
+manager): a 2-core machine still runs 2 CPU ranks beside 2 engines. A single rank with a pinned
+``--train-device cuda:N`` reserves nothing either: the user chose the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from train_backend.interfaces import TrainSettings, create_backend
+
+if TYPE_CHECKING:
+    from buffer.sample import Sample
+    from train_backend.megatron.arguments import MegatronSettings
+    from weight_sync.interfaces import VersionSink, WeightSyncSettings
+
+# How long to wait for Ray to grant the ranks' GPUs before failing with the cluster's resources.
+_PLACEMENT_TIMEOUT_S = 300.0
+# Bound on the trainer's collectives (as in train_backend/megatron/parallel.py): a rank that died
+# mid-step makes the others fail after this instead of hanging.
+_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+@dataclass
+class TrainerGroupSettings:
+    """How many trainer ranks, and where. Field defaults are the flag defaults (slime's names:
+    ``--actor-num-nodes``, ``--actor-num-gpus-per-node``). On the CPU the product is the number
+    of CPU ranks (gloo)."""
+
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def validate(self, train: TrainSettings, megatron: "MegatronSettings | None" = None) -> None:
+        """Raise ``ValueError`` naming the flags of the first bad combination."""
+        if self.actor_num_nodes < 1:
+            raise ValueError(f"--actor-num-nodes={self.actor_num_nodes} must be >= 1")
+        if self.actor_num_gpus_per_node < 1:
+            raise ValueError(f"--actor-num-gpus-per-node={self.actor_num_gpus_per_node} must be >= 1")
+        world = self.world_size
+        ranks = (f"{world} trainer ranks (--actor-num-nodes {self.actor_num_nodes} x "
+                 f"--actor-num-gpus-per-node {self.actor_num_gpus_per_node})")
+        if world > 1 and ":" in train.device:
+            raise ValueError(f"--train-device {train.device} pins one device, but there are {ranks}: use "
+                             f"--train-device {train.device.split(':')[0]} (Ray gives each rank its own GPU)")
+        tp = megatron.tensor_model_parallel_size if megatron else 1
+        pp = megatron.pipeline_model_parallel_size if megatron else 1
+        if train.backend == "megatron" and world % (tp * pp):
+            raise ValueError(f"{ranks} is not a multiple of --tensor-model-parallel-size {tp} x "
+                             f"--pipeline-model-parallel-size {pp}")
+        if train.backend == "torch" and tp * pp > 1:
+            raise ValueError(f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} need "
+                             "--train-backend megatron (the torch backend shards over all ranks with FSDP2)")
+
+    def uses_gpus(self, train: TrainSettings) -> bool:
+        """Whether Ray reserves a GPU per rank (``cuda`` without an index)."""
+        return train.device == "cuda"
+
+
+class TrainerRank:
+    """One trainer rank in its own process: joins the trainer's process group, builds the backend,
+    and (rank 0 only) owns the :class:`~weight_sync.sender.WeightSender`."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.backend: Any = None
+        self.sender: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it: the rendezvous rank 0 hosts for the others."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master: tuple[str, int], train: TrainSettings, megatron: "MegatronSettings | None") -> None:
+        """Join the default process group (several ranks) and build the backend.
+
+        The torch backend shards with FSDP2 when it finds an initialised group of > 1 ranks; the
+        Megatron backend uses an initialised group as it is (and builds a one-rank group itself
+        when there is none), so one rank needs no group and sockets. Env vars are the standard
+        ones, so megatron-core and torch.distributed see the layout they expect."""
+        import torch
+        import torch.distributed as dist
+
+        if train.device == "cpu":  # Ray sets OMP_NUM_THREADS=1; share the cores as the engines do
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        if train.device == "cuda":  # Ray made this rank's GPU the only one visible
+            os.environ["LOCAL_RANK"] = "0"
+        if self.world_size > 1:  # one rank: no rendezvous ($RANK unset tells Megatron so)
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world_size))
+            cuda = train.device == "cuda"
+            if cuda:
+                torch.cuda.set_device(0)
+            dist.init_process_group("nccl" if cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
+        self.backend = create_backend(train, megatron)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run one backend method (``train_step``, ``save``, ``load``, ``export_hf``, ...)."""
+        return getattr(self.backend, method)(*args)
+
+    def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str],
+                            version_sink: "VersionSink | None") -> None:
+        """Rank 0: create the sender and join the engines' weight-update group. Others: nothing."""
+        if self.rank != 0:
+            return
+        from weight_sync.sender import WeightSender
+
+        self.sender = WeightSender(settings, version_sink=version_sink)
+        self.sender.connect(engine_urls)
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Gather the full weights (collective on every rank); rank 0 pushes them to the engines.
+        Gathered completely before the push starts, so a failing push never leaves the other
+        ranks waiting in the middle of the gather."""
+        named = list(self.backend.named_hf_weights())
+        if self.rank != 0:
+            return {}
+        if self.sender is None:
+            raise RuntimeError("push_weights: connect_weight_sync was not called")
+        return self.sender.push(named, version)
+
+    def close(self) -> None:
+        """Leave the weight-update group on the engines (rank 0) and the process group."""
+        import torch.distributed as dist
+
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """N :class:`TrainerRank` actors driven together; the TrainBackend methods the launcher uses.
+
+    A rank's error surfaces in the driver as one exception: a bad setting (``ValueError``, it
+    names the flag) as itself, anything else as ``RuntimeError("trainer rank i: ...")``. The
+    first failing rank is reported at once; the others may be stuck in a collective, so the
+    group is then only good for :meth:`close`, which kills them.
+    """
+
+    def __init__(self, train: TrainSettings, megatron: "MegatronSettings | None" = None,
+                 group: TrainerGroupSettings | None = None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            raise RuntimeError("TrainerGroup needs Ray initialised (ray.init) in this process")
+        self.settings = group or TrainerGroupSettings()
+        self.settings.validate(train, megatron)
+        self.world_size = self.settings.world_size
+        self._broken = False
+        self.pg = None
+        options: list[dict[str, Any]] = [{"num_cpus": 0}] * self.world_size
+        if self.settings.uses_gpus(train):
+            bundle = {"GPU": 1, "CPU": 1}
+            self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+            try:
+                ray.get(self.pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(self.pg)
+                raise RuntimeError(
+                    f"could not place {self.world_size} trainer rank(s) of {bundle} (--actor-num-nodes "
+                    f"{self.settings.actor_num_nodes} x --actor-num-gpus-per-node "
+                    f"{self.settings.actor_num_gpus_per_node}) within {_PLACEMENT_TIMEOUT_S:.0f}s; "
+                    f"cluster resources: {ray.cluster_resources()}") from None
+            options = [{"num_cpus": 1, "num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=i)} for i in range(self.world_size)]
+        actor = ray.remote(TrainerRank)
+        self.ranks = [actor.options(**options[i]).remote(i, self.world_size) for i in range(self.world_size)]
+        try:
+            master = self._gather([self.ranks[0].address.remote()], "start")[0]
+            self._gather([r.setup.remote(master, train, megatron) for r in self.ranks], "setup")
+        except BaseException:
+            self.close()
+            raise
+
+    # --- the TrainBackend methods the launcher uses ---------------------------------------------
+    def train_step(self, groups: list[list["Sample"]], step: int) -> dict[str, float]:
+        """Train every rank on one rollout batch: rank 0 gets the groups (one object in Ray's
+        store) and hands each data-parallel rank its share; returns rank 0's metrics."""
+        import ray
+
+        ref = ray.put(groups)
+        return self._all("train_step", [(ref if i == 0 else None, step) for i in range(self.world_size)])[0]
+
+    def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
+        """Collective: every rank gets the same samples; rank 0's result (all of them)."""
+        import ray
+
+        ref = ray.put(samples)
+        return self._all("compute_log_probs", [(ref,)] * self.world_size)[0]
+
+    def save(self, path: str) -> None:
+        self._all("save", [(path,)] * self.world_size)
+
+    def load(self, path: str) -> None:
+        self._all("load", [(path,)] * self.world_size)
+
+    def export_hf(self, path: str) -> None:
+        self._all("export_hf", [(path,)] * self.world_size)
+
+    # --- weight sync ------------------------------------------------------------------------------
+    def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str],
+                            version_sink: "VersionSink | None" = None) -> None:
+        """Rank 0 creates the WeightSender (``version_sink``: the buffer's actor handle) and joins
+        the engines' weight-update group."""
+        self._gather([self.ranks[0].connect_weight_sync.remote(settings, engine_urls, version_sink)],
+                     "connect_weight_sync")
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Every rank gathers the full weights; rank 0 pushes them; returns its push metrics."""
+        return self._gather([r.push_weights.remote(version) for r in self.ranks], "push_weights")[0]
+
+    def close(self) -> None:
+        """Leave the weight-update group (unless a rank failed: the others may be stuck in a
+        collective), then end the rank processes and free their GPUs. Idempotent."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        ranks, self.ranks = getattr(self, "ranks", []), []
+        if ranks and not self._broken:
+            try:
+                ray.get([r.close.remote() for r in ranks], timeout=120)
+            except Exception as e:  # tearing down: report, and end the processes anyway
+                print(f"trainer group close failed: {type(e).__name__}: {e}")
+        for r in ranks:
+            ray.kill(r)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _all(self, method: str, args: list[tuple]) -> list[Any]:
+        return self._gather([r.call.remote(method, *a) for r, a in zip(self.ranks, args)], method)
+
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        """Results in rank order; the first rank to fail raises at once (see the class doc)."""
+        import ray
+
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        out: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                out[rank_of[done[0]]] = ray.get(done[0])
+            except Exception as e:
+                self._broken = True
+                raise _rank_error(rank_of[done[0]], what, e) from e
+        return out
+
+
+def _rank_error(rank: int, what: str, e: Exception) -> Exception:
+    """One clear driver-side error for a failure in rank ``rank``."""
+    import ray
+
+    from rollout_manager.actor import creation_setting_error
+
+    if isinstance(e, ray.exceptions.RayActorError):  # the process died (or its __init__ failed)
+        setting = creation_setting_error(e)
+        return setting if setting is not None else RuntimeError(f"trainer rank {rank} died during {what}: {e}")
+    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+    if isinstance(cause, ValueError):  # a bad setting found by the backend: its message names the flag
+        return ValueError(str(cause))
+    return RuntimeError(f"trainer rank {rank}: {what} failed: {type(cause).__name__}: {cause}")
