@@ -22,8 +22,9 @@ def test_defaults_come_from_the_dataclass() -> None:
 def test_flags_reach_the_settings() -> None:
     s = _parse("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--sequence-parallel",
                "--use-distributed-optimizer", "--make-vocab-size-divisible-by", "64", "--recompute-activations",
-               "--transformer-impl", "local")
-    assert s == MegatronSettings(2, 4, True, True, 64, True, "local")
+               "--transformer-impl", "local", "--loss-head", "compiled", "--bias-swiglu-fusion",
+               "--torch-compile")
+    assert s == MegatronSettings(2, 4, True, True, 64, True, "local", "compiled", True, True)
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -35,3 +36,10 @@ def test_flags_reach_the_settings() -> None:
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         _parse(*argv)
+
+
+def test_bad_loss_head_names_the_flag() -> None:
+    with pytest.raises(ValueError, match="--loss-head"):
+        MegatronSettings(loss_head="fused")
+    with pytest.raises(SystemExit):  # argparse refuses it before the dataclass sees it
+        _parse("--loss-head", "fused")

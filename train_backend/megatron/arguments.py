@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+LOSS_HEADS = ("unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
 
 
 @dataclass
@@ -23,6 +24,12 @@ class MegatronSettings:
     make_vocab_size_divisible_by: int = 128
     recompute_activations: bool = False  # full recompute of every layer (saves activation memory)
     transformer_impl: str = "auto"  # auto = TransformerEngine if installed, else local + SDPA
+    # Log-prob/entropy head: unfused = fp32 [N, V] copies + megatron's vocab-parallel cross
+    # entropy; chunked = one memory-lean autograd function over token chunks; compiled = the same
+    # with its chunk kernels through torch.compile (fused reductions; meant for CUDA).
+    loss_head: str = "chunked"
+    bias_swiglu_fusion: bool = False  # megatron-core's torch.compile'd SwiGLU (fwd + bwd kernels)
+    torch_compile: bool = False  # torch.compile every transformer layer (norms, RoPE, residuals, ...)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,6 +45,8 @@ class MegatronSettings:
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"--transformer-impl={self.transformer_impl!r}: expected one of "
                              f"{', '.join(TRANSFORMER_IMPLS)}")
+        if self.loss_head not in LOSS_HEADS:
+            raise ValueError(f"--loss-head={self.loss_head!r}: expected one of {', '.join(LOSS_HEADS)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
@@ -60,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="recompute every layer's activations in backward (full, uniform, 1 layer)")
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=d.transformer_impl,
                    help="layer implementation: TransformerEngine or megatron-core local layers + SDPA")
+    g.add_argument("--loss-head", choices=LOSS_HEADS, default=d.loss_head,
+                   help="log-prob/entropy computation over the vocabulary: unfused (fp32 [N, V] copies), "
+                        "chunked (memory-lean, recomputes the softmax in backward) or compiled "
+                        "(chunked with torch.compile'd kernels; for CUDA)")
+    g.add_argument("--bias-swiglu-fusion", action="store_true", default=d.bias_swiglu_fusion,
+                   help="megatron-core's fused (torch.compile'd) SwiGLU activation; no TE/apex needed")
+    g.add_argument("--torch-compile", action="store_true", default=d.torch_compile,
+                   help="torch.compile each transformer layer (first steps are slower while it compiles)")
 
 
 def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
@@ -72,4 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         recompute_activations=args.recompute_activations,
         transformer_impl=args.transformer_impl,
+        loss_head=args.loss_head,
+        bias_swiglu_fusion=args.bias_swiglu_fusion,
+        torch_compile=args.torch_compile,
     )

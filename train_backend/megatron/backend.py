@@ -28,7 +28,7 @@ from buffer.sample import Sample
 from train_backend.batching import RolloutBatch, balance, begin_train_step, pack
 from train_backend.interfaces import TrainSettings
 from train_backend.losses import LossConfig, LossDenominators, rl_loss
-from train_backend.megatron import checkpoint, cpu_compat, forward, model as mmodel, parallel, saving
+from train_backend.megatron import checkpoint, cpu_compat, forward, loss_head, model as mmodel, parallel, saving
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.schedule import learning_rate
 
@@ -83,7 +83,7 @@ class MegatronBackend:
             self.config = mmodel.transformer_config(
                 self.dims, params_dtype=self.dtype, tp_size=tp, pp_size=pp,
                 sequence_parallel=self.mcfg.sequence_parallel, on_cpu=self.device.type == "cpu",
-                recompute=self.mcfg.recompute_activations)
+                recompute=self.mcfg.recompute_activations, bias_swiglu_fusion=self.mcfg.bias_swiglu_fusion)
             reader = checkpoint.HFCheckpointReader(settings.hf_checkpoint)
             self.max_seq_len = self.dims.max_position_embeddings
             module = self._build(reader)
@@ -134,6 +134,10 @@ class MegatronBackend:
         if self.dtype == torch.bfloat16:
             model.bfloat16()  # megatron-core's torch norms ignore params_dtype
         checkpoint.load_hf_weights(model, reader, self.dims)
+        if self.mcfg.torch_compile:
+            # In place (Module.compile): parameter names and checkpoints are unchanged.
+            for layer in model.decoder.layers:
+                layer.compile()
         return model
 
     # --- batching -----------------------------------------------------------------------------
@@ -170,8 +174,13 @@ class MegatronBackend:
         """Response-token log-probs ``[N]`` (and entropies) from the stage output ``[b, T, Vp/tp]``.
         The entropy keeps its graph only with ``entropy_grad`` (it costs another ``[N, V]`` pass)."""
         packed = mb.extra["packed"]
-        flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
         temp = self.settings.rollout_temperature
+        if self.mcfg.loss_head != "unfused":
+            return loss_head.log_probs_and_entropy(
+                logits.reshape(-1, logits.shape[-1]), mb.extra["logit_pos"], packed.targets,  # [b*T, Vp/tp]
+                self.dims.vocab_size, temp, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                impl=self.mcfg.loss_head)
+        flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
         x = forward.masked_vocab_logits(flat, self.dims.vocab_size, temp)  # [N, Vp/tp] fp32, fresh
         ent = None
         if with_entropy and entropy_grad:
@@ -234,9 +243,10 @@ class MegatronBackend:
         sums = torch.zeros(len(_ALL_STATS), dtype=torch.float64)
         grad_norms, lrs, tokens = [], [], 0
         for k, (mbs, denom) in enumerate(zip(plans, start.denominators)):
+            losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses
 
-            def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom
-                        ) -> tuple[torch.Tensor, dict]:
+            def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom,
+                        losses: list[torch.Tensor] = losses) -> tuple[torch.Tensor, dict]:
                 p = mb.extra["packed"]
                 logp, ent = self._logp(mb, logits, with_entropy=True, entropy_grad=s.entropy_coef != 0)
                 old = mb.extra.get("old_logp")
@@ -244,19 +254,26 @@ class MegatronBackend:
                                       p.advantages, p.loss_mask, p.seq_ids, p.num_seqs, entropy=ent,
                                       ref_logp=mb.extra.get("ref_logp"), rollout_logp=p.rollout_logp,
                                       rollout_mask=p.rollout_mask)
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"train_step {step}: non-finite loss {loss.item()} in optimizer "
-                                       f"step {k}; the weights were not updated")
+                # Checked after the pipeline (before the optimizer step): a check here would stall
+                # the GPU queue once per micro-batch.
+                losses.append(loss.detach())
                 return loss, stats
 
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             out = forward.run_pipeline([self.model], mbs, loss_fn, forward_only=False)
+            if losses:
+                values = torch.stack(losses)  # [micro-batches]
+                if not bool(torch.isfinite(values).all()):
+                    raise RuntimeError(f"train_step {step}: non-finite loss {values.tolist()} in optimizer "
+                                       f"step {k}; the weights were not updated")
             if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
                 for st in out:
-                    for i, name in enumerate(_ALL_STATS):
-                        if name in st:
-                            sums[i] += float(st[name])
+                    names = [name for name in _ALL_STATS if name in st]
+                    values = torch.stack([torch.as_tensor(st[n], dtype=torch.float64, device=self.device)
+                                          for n in names]).tolist()  # one transfer per micro-batch
+                    for name, v in zip(names, values):
+                        sums[_ALL_STATS.index(name)] += v
             tokens += sum(int(mb.extra["packed"].input_ids.numel()) for mb in mbs
                           if mb.extra["packed"].loss_mask.any())
             lr = learning_rate(s, self.optimizer_steps)

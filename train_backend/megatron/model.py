@@ -118,8 +118,12 @@ def hf_inv_freq(hf_config: Any) -> torch.Tensor:
 
 def transformer_config(dims: ModelDims, *, params_dtype: torch.dtype, tp_size: int, pp_size: int,
                        sequence_parallel: bool, on_cpu: bool, recompute: bool = False,
-                       **overrides: Any) -> TransformerConfig:
-    """megatron-core config matching the HF architecture (no dropout, no biases, SwiGLU, RMSNorm)."""
+                       bias_swiglu_fusion: bool = False, **overrides: Any) -> TransformerConfig:
+    """megatron-core config matching the HF architecture (no dropout, no biases, SwiGLU, RMSNorm).
+
+    ``bias_swiglu_fusion``: megatron-core's SwiGLU autograd function, whose forward and backward
+    are ``torch.compile``'d (``megatron.core.jit.jit_fuser``): two fused kernels instead of ~8
+    elementwise passes over the ``[tokens, 2 x ffn]`` activation; needs no TE/apex."""
     bf16 = params_dtype == torch.bfloat16
     kw: dict[str, Any] = dict(
         num_layers=dims.num_layers,
@@ -137,9 +141,8 @@ def transformer_config(dims: ModelDims, *, params_dtype: torch.dtype, tp_size: i
         qk_layernorm=dims.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # Fusions need apex/TE kernels (or torch.compile, for SwiGLU: not measured yet); the
-        # unfused paths are exact.
-        bias_activation_fusion=False,
+        # The other fusions need apex/TE kernels; the unfused paths are exact.
+        bias_activation_fusion=bias_swiglu_fusion,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -199,4 +202,28 @@ def build_gpt_model(dims: ModelDims, config: TransformerConfig, hf_config: Any,
     # and removes any float difference in how the base is raised).
     rope = model.rotary_pos_emb
     rope.inv_freq = hf_inv_freq(hf_config).to(rope.inv_freq.device)  # [head_dim / 2]
+    if model.post_process and not config.sequence_parallel:
+        batch_major_logits(model)
     return model
+
+
+def batch_major_logits(model: GPTModel) -> None:
+    """Make the output layer write its logits batch-major, so that ``GPTModel``'s final
+    ``logits.transpose(0, 1).contiguous()`` (``[s, b, V] -> [b, s, V]``) is a no-op instead of a
+    copy of the largest tensor of the step (and of its gradient in backward).
+
+    The output layer gets ``[b, s, h]`` hidden states (a small copy) and its ``[b, s, V/tp]``
+    result is handed back as the ``[s, b, V/tp]`` view megatron expects. Values are unchanged
+    (the same matmul per token). Not with sequence parallelism, where the output layer gathers
+    its input along the sequence dimension."""
+
+    def to_batch_major(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0]  # [s, b, h]
+        return (hidden.transpose(0, 1).contiguous(), *args[1:]), kwargs  # [b, s, h]
+
+    def back_to_sequence_major(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        logits, bias = output  # [b, s, V/tp]
+        return logits.transpose(0, 1), bias  # [s, b, V/tp], a view of batch-major memory
+
+    model.output_layer.register_forward_pre_hook(to_batch_major, with_kwargs=True)
+    model.output_layer.register_forward_hook(back_to_sequence_major, with_kwargs=True)
