@@ -138,6 +138,10 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
         version = 0
         for r in range(rounds):
             for mode in ("bucketed", "single"):
+                # The receiver posts its receives only now (a receive posted early would spin on
+                # the engine's GPU during the pushes and slow them), and says so before the clock starts.
+                grp.store.set(f"go_{r}_{mode}", "1")
+                grp.store.wait([f"ready_{r}_{mode}"])
                 _sync(dev)
                 t = time.perf_counter()
                 for b in bare_bufs[mode]:
@@ -219,11 +223,16 @@ def bare_receiver(plan_file: str, port: int, device: str, backend: str) -> None:
     grp = init_weight_update_group(backend, "127.0.0.1", port, 1, 2, "bare", 300.0, dev if backend == "nccl" else None)
     bufs = {"bucketed": [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in plan["buckets"]],  # [n]
             "single": [torch.empty(sum(plan["buckets"]), dtype=torch.bfloat16, device=dev)]}  # [N]
-    for _ in range(plan["rounds"]):
+    for r in range(plan["rounds"]):
         for mode in ("bucketed", "single"):
+            grp.store.wait([f"go_{r}_{mode}"])
+            if backend == "gloo":  # a gloo receive blocks until the data is here
+                grp.store.set(f"ready_{r}_{mode}", "1")
             for b in bufs[mode]:
-                grp.broadcast(b)
-    _sync(dev)
+                grp.broadcast(b)  # nccl: queued on the GPU
+            if backend == "nccl":
+                grp.store.set(f"ready_{r}_{mode}", "1")
+            _sync(dev)  # nothing of ours runs on the GPU while the pushes are timed
     grp.destroy()
 
 

@@ -183,11 +183,11 @@ class Engine:
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
             body = await self._body(request)
-            self.scheduler.pause(body.get("mode", "abort") if isinstance(body, dict) else "abort")
+            quiet = self.scheduler.pause(body.get("mode", "abort") if isinstance(body, dict) else "abort")
         except ValueError as e:  # ProtocolError too
             return _bad(f"mode: {e}" if not isinstance(e, ProtocolError) else str(e))
-        # return only once the step in progress (if any) is over: no forward runs after this
-        await asyncio.wrap_future(self.scheduler.run_command(lambda: None))
+        if not quiet:  # return only once the step in progress is over: no forward runs after this
+            await asyncio.wrap_future(self.scheduler.run_command(lambda: None))
         return _json({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:

@@ -42,6 +42,7 @@ class WeightUpdateError(ValueError):
 class _Group:
     group: WeightUpdateGroup
     executor: concurrent.futures.ThreadPoolExecutor
+    joined: bool = False  # a collective has run (NCCL builds its communicator at the first one)
 
 
 class WeightManager:
@@ -58,6 +59,7 @@ class WeightManager:
         # time goes on the engine side. perf_counter is CLOCK_MONOTONIC, comparable across
         # processes of one host, so the trainer can line these up with its own timeline.
         self.trace: collections.deque[dict[str, float]] = collections.deque(maxlen=256)
+        self._apply_error: str | None = None  # a bucket's copy failed since the last version switch
 
     # --- groups -----------------------------------------------------------------------------
     async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -133,11 +135,23 @@ class WeightManager:
                 out.append(t)
             return out
 
-        tensors = await asyncio.get_running_loop().run_in_executor(g.executor, receive)
+        if dev.type == "cuda" and g.joined:
+            # NCCL only queues the receive on the GPU, so it is issued right here: a hop to the
+            # group's thread cost 0.4-1 ms per bucket on the GPU VMs (on a few-ms bucket).
+            tensors = receive()
+        else:  # gloo blocks until the bucket is here; NCCL's first collective builds the communicator
+            tensors = await asyncio.get_running_loop().run_in_executor(g.executor, receive)
+            g.joined = True
         rec["recv_queued"] = time.perf_counter()
         if problem:
             raise WeightUpdateError(problem)
-        await self._apply(dict(zip(names, tensors)), weight_version)
+        applied = self._apply(dict(zip(names, tensors)), weight_version)
+        if weight_version is not None:
+            # The bucket that completes a version waits for its copy (and, being queued after
+            # them, for every earlier bucket's), so the reported version is the one served.
+            await applied
+        else:  # a failure is reported by the version's last bucket (see _apply)
+            applied.add_done_callback(lambda f: f.cancelled() or f.exception())
         rec["applied"] = time.perf_counter()
         self.trace.append(rec)
 
@@ -172,21 +186,35 @@ class WeightManager:
                 return f"{n}: dtype {dt} is not a floating-point dtype"
         return None
 
-    async def _apply(self, tensors: dict[str, Any], weight_version: str | None) -> None:
+    def _apply(self, tensors: dict[str, Any], weight_version: str | None) -> "asyncio.Future[None]":
+        """Queue the copy of ``tensors`` into the model between two forwards (the scheduler runs
+        commands in order, before any forward that follows them). Returns a future of it.
+
+        Buckets that do not complete a version are not waited for (one thread hop less per
+        bucket): their copies run in queue order, and a failure is remembered and reported by
+        the bucket that completes the version, which then leaves the version unchanged.
+        """
         params, sched = self._params, self.scheduler
 
         def copy() -> None:
-            same = [(params[n], t) for n, t in tensors.items() if params[n].dtype == t.dtype]
-            with torch.no_grad():
-                if same:  # one fused launch for the bucket instead of one copy per tensor
-                    torch._foreach_copy_([p for p, _ in same], [t for _, t in same])
-                for n, t in tensors.items():
-                    if params[n].dtype != t.dtype:
-                        params[n].copy_(t)  # casts to the engine's dtype
+            try:
+                same = [(params[n], t) for n, t in tensors.items() if params[n].dtype == t.dtype]
+                with torch.no_grad():
+                    if same:  # one fused launch for the bucket instead of one copy per tensor
+                        torch._foreach_copy_([p for p, _ in same], [t for _, t in same])
+                    for n, t in tensors.items():
+                        if params[n].dtype != t.dtype:
+                            params[n].copy_(t)  # casts to the engine's dtype
+            except Exception as e:
+                self._apply_error = f"copying {len(tensors)} tensors into the model failed: {type(e).__name__}: {e}"
+                raise
             if weight_version is not None:  # the version switches with the weights, atomically
+                error, self._apply_error = self._apply_error, None
+                if error:
+                    raise RuntimeError(f"weight_version {weight_version} not applied: an earlier bucket failed: {error}")
                 sched.weight_version = str(weight_version)
 
-        await asyncio.wrap_future(self.scheduler.run_command(copy))
+        return asyncio.wrap_future(self.scheduler.run_command(copy))
 
     # --- colocated mode ----------------------------------------------------------------------
     async def release_memory(self, tags: list[str]) -> None:
