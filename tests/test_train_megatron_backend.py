@@ -107,3 +107,12 @@ def test_bf16_trains(toy: str, tmp_path: Path) -> None:
     m = got["metrics"][0]
     assert all(torch.isfinite(torch.tensor(m[k])) for k in ("train/loss", "train/grad_norm"))
     assert all(v.dtype == torch.bfloat16 for v in got["weights"].values())
+
+
+@pytest.mark.slow
+def test_compiled_paths_match_torch_backend(toy: str, reference: dict[str, Any], tmp_path: Path) -> None:
+    """--loss-head compiled, --bias-swiglu-fusion and --torch-compile (torch.compile on the CPU:
+    Inductor's C++ kernels) train like the torch backend."""
+    kw = {"loss_head": "compiled", "bias_swiglu_fusion": True, "torch_compile": True}
+    got = spawn(run_megatron, 1, (toy, kw, STEPS), tmp_path / "r", timeout_s=600)[0]
+    _assert_matches(reference, got, "compiled")

@@ -135,9 +135,7 @@ class MegatronBackend:
             model.bfloat16()  # megatron-core's torch norms ignore params_dtype
         checkpoint.load_hf_weights(model, reader, self.dims)
         if self.mcfg.torch_compile:
-            # In place (Module.compile): parameter names and checkpoints are unchanged.
-            for layer in model.decoder.layers:
-                layer.compile()
+            mmodel.compile_norms(model)
         return model
 
     # --- batching -----------------------------------------------------------------------------

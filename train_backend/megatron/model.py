@@ -227,3 +227,24 @@ def batch_major_logits(model: GPTModel) -> None:
 
     model.output_layer.register_forward_pre_hook(to_batch_major, with_kwargs=True)
     model.output_layer.register_forward_hook(back_to_sequence_major, with_kwargs=True)
+
+
+def compile_norms(model: torch.nn.Module) -> int:
+    """``torch.compile`` every RMSNorm/LayerNorm module of ``model`` in place (``Module.compile``:
+    parameter names and checkpoints are unchanged): fused forward and backward kernels instead of
+    the eager op-by-op norm. Returns how many modules were compiled.
+
+    Why not whole transformer layers: megatron-core's layer forward graph-breaks inside its
+    activation-offloading context managers (a rank-0 ``warnings.warn`` in ``RowParallelLinear``,
+    ``make_viewless_tensor``'s ``.data`` swap), where dynamo cannot resume, so most of each layer
+    would silently run eagerly anyway. The norms are graph-break free. (SwiGLU has its own fused
+    kernels: ``--bias-swiglu-fusion``.)
+    """
+    import torch._dynamo
+
+    norms = [m for m in model.modules() if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
+    # All instances share one code object; leave room in case dynamo guards on each instance.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(norms) + 8)
+    for m in norms:
+        m.compile()
+    return len(norms)
