@@ -109,6 +109,8 @@ class Run:
 
         self.trainer = TrainerGroup(train_settings(self.args), megatron_settings(self.args),
                                     group_settings_from_args(self.args))
+        print("trainer ranks: " + ", ".join(f"{p['rank']}@{p['node']}" + (f" gpu {p['gpus']}" if p["gpus"] else "")
+                                            for p in self.trainer.placement()), flush=True)
 
     def _connect_weight_sync(self) -> None:
         from weight_sync.arguments import settings_from_args as sync_settings

@@ -13,11 +13,11 @@ from train_backend.actor_group import TrainerGroup, TrainerGroupSettings
 from train_backend.megatron.arguments import MegatronSettings
 
 
-def _settings(model_dir):
+def _settings(model_dir, **kw):
     # as in test_train_fsdp: 2 optimizer steps per rollout, several micro-batches per rank, a KL
     # term; adam_eps >> |grad| keeps Adam's update ~ lr * grad, so round-off stays round-off
     return settings(model_dir, use_kl_loss=True, kl_coef=0.05, global_batch_size=8, lr=0.3, adam_eps=1.0,
-                    max_tokens_per_micro_batch=12)
+                    max_tokens_per_micro_batch=12, **kw)
 
 
 def _exported(group: TrainerGroup, path) -> dict[str, torch.Tensor]:
@@ -54,6 +54,32 @@ def test_two_gloo_ranks_train_like_one(ray_local, toy_model_dir, tmp_path):  # n
     finally:
         one.close()
         two.close()
+
+
+@pytest.mark.gpu
+def test_two_gpu_ranks_get_their_own_gpu_and_train_like_one(ray_local, toy_model_dir, tmp_path):  # noqa: F811
+    """On a 2-GPU machine: a placement group gives each rank its own GPU; FSDP2 over NCCL ends
+    where one GPU rank ends."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    groups = make_groups(toy_model_dir, num_groups=2, group_size=8, logp_noise=0.05)
+    s = _settings(toy_model_dir, device="cuda")
+    results = {}
+    for n in (1, 2):  # one after the other: the machine has 2 GPUs
+        group = TrainerGroup(s, None, TrainerGroupSettings(actor_num_gpus_per_node=n))
+        try:
+            where = group.placement()
+            assert len({tuple(p["gpus"]) for p in where}) == n and all(len(p["gpus"]) == 1 for p in where)
+            metrics = [group.train_step(batch, step) for step, batch in enumerate([groups, [groups[1][:3]]])]
+            results[n] = metrics, _exported(group, tmp_path / f"gpu{n}")
+        finally:
+            group.close()
+    (m1, w1), (m2, w2) = results[1], results[2]
+    for a, b in zip(m1, m2):
+        for k in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train/num_samples"):
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), k
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-4), k
 
 
 @pytest.mark.parametrize("group,train,megatron,msg", [

@@ -95,6 +95,12 @@ class TrainerRank:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
+    def placement(self) -> dict[str, Any]:
+        """Where this rank runs: node IP and the GPUs Ray gave it (for the launcher's log)."""
+        import ray
+
+        return {"rank": self.rank, "node": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
+
     def setup(self, master: tuple[str, int], train: TrainSettings, megatron: "MegatronSettings | None") -> None:
         """Join the default process group (several ranks) and build the backend.
 
@@ -128,8 +134,17 @@ class TrainerRank:
         """Rank 0: create the sender and join the engines' weight-update group. Others: nothing."""
         if self.rank != 0:
             return
+        import dataclasses
+        from urllib.parse import urlparse
+
+        import ray
+
         from weight_sync.sender import WeightSender
 
+        loopback = ("127.0.0.1", "localhost")
+        if settings.master_address in loopback and any(urlparse(u).hostname not in loopback for u in engine_urls):
+            # engines on other hosts cannot reach a loopback rendezvous: host it on this rank's node
+            settings = dataclasses.replace(settings, master_address=ray.util.get_node_ip_address())
         self.sender = WeightSender(settings, version_sink=version_sink)
         self.sender.connect(engine_urls)
 
@@ -200,6 +215,10 @@ class TrainerGroup:
         except BaseException:
             self.close()
             raise
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Per rank: its node IP and the GPU ids Ray assigned (empty on the CPU)."""
+        return self._gather([r.placement.remote() for r in self.ranks], "placement")
 
     # --- the TrainBackend methods the launcher uses ---------------------------------------------
     def train_step(self, groups: list[list["Sample"]], step: int) -> dict[str, float]:
