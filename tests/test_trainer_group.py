@@ -1,6 +1,6 @@
-"""TrainerGroup: the trainer ranks as Ray actors. Two gloo ranks (torch backend, FSDP2) trained
-through the group on rank 0's groups end where one rank ends, and a failure inside a rank is one
-clear error in the driver. Opens loopback sockets (Ray, gloo): run under `unshare -n`, as CI does."""
+"""TrainerGroup: the trainer ranks as Ray actors. Two gloo ranks trained through the group on rank
+0's groups (torch backend: FSDP2; Megatron: TP=2) end where one torch rank ends, and a failure
+inside a rank is one clear error in the driver. Opens loopback sockets (Ray, gloo): run under `unshare -n`, as CI does."""
 
 from __future__ import annotations
 
@@ -20,31 +20,52 @@ def _settings(model_dir, **kw):
                     max_tokens_per_micro_batch=12, **kw)
 
 
-def _exported(group: TrainerGroup, path) -> dict[str, torch.Tensor]:
+COMPARED = ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train/num_samples")
+
+
+def _run(group: TrainerGroup, groups, out) -> dict:
+    """Two rollout batches (the second leaves the ranks unequal micro-batch counts), then the
+    exported weights and the policy's log-probs."""
     from transformers import AutoModelForCausalLM
 
-    group.export_hf(str(path))
-    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+    metrics = [group.train_step(batch, step) for step, batch in enumerate([groups, [groups[1][:3]]])]
+    group.export_hf(str(out))
+    return {"metrics": metrics, "weights": AutoModelForCausalLM.from_pretrained(out).state_dict(),
+            "logprobs": group.compute_log_probs(groups[0][:4])}
 
 
-def test_two_gloo_ranks_train_like_one(ray_local, toy_model_dir, tmp_path):  # noqa: F811
-    groups = make_groups(toy_model_dir, num_groups=2, group_size=8, logp_noise=0.05)
-    one = TrainerGroup(_settings(toy_model_dir))
+def _assert_same(ref: dict, got: dict, rel: float = 1e-4, atol: float = 1e-5) -> None:
+    for step, (a, b) in enumerate(zip(ref["metrics"], got["metrics"])):
+        for k in COMPARED:
+            assert b[k] == pytest.approx(a[k], rel=rel, abs=atol / 10), (step, k)
+    assert set(got["weights"]) == set(ref["weights"])
+    for k, w in ref["weights"].items():
+        assert torch.allclose(got["weights"][k], w, atol=atol), k
+    assert [len(x) for x in got["logprobs"]] == [len(x) for x in ref["logprobs"]]
+    assert torch.allclose(torch.tensor(sum(got["logprobs"], [])), torch.tensor(sum(ref["logprobs"], [])), atol=atol)
+
+
+@pytest.fixture(scope="module")
+def groups(toy_model_dir):
+    return make_groups(toy_model_dir, num_groups=2, group_size=8, logp_noise=0.05)
+
+
+@pytest.fixture(scope="module")
+def one_rank(ray_local, toy_model_dir, groups, tmp_path_factory):  # noqa: F811
+    """The reference: one torch rank through the same group code."""
+    group = TrainerGroup(_settings(toy_model_dir))
+    try:
+        assert group.world_size == 1
+        return _run(group, groups, tmp_path_factory.mktemp("one") / "hf")
+    finally:
+        group.close()
+
+
+def test_two_gloo_ranks_train_like_one(ray_local, toy_model_dir, groups, one_rank, tmp_path):  # noqa: F811
     two = TrainerGroup(_settings(toy_model_dir), None, TrainerGroupSettings(actor_num_gpus_per_node=2))
     try:
-        assert (one.world_size, two.world_size) == (1, 2)
-        for step, batch in enumerate([groups, [groups[1][:3]]]):  # then ranks with unequal micro-batches
-            m1, m2 = one.train_step(batch, step), two.train_step(batch, step)
-            for k in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train/num_samples"):
-                assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), (step, k)
-        w1, w2 = _exported(one, tmp_path / "one"), _exported(two, tmp_path / "two")
-        assert set(w1) == set(w2)
-        for k in w1:
-            assert torch.allclose(w1[k], w2[k], atol=1e-5), k
-        samples = groups[0][:4]
-        lp1, lp2 = one.compute_log_probs(samples), two.compute_log_probs(samples)
-        assert [len(x) for x in lp2] == [s.response_length for s in samples]
-        assert torch.allclose(torch.tensor(sum(lp1, [])), torch.tensor(sum(lp2, [])), atol=1e-5)
+        assert two.world_size == 2 and [p["rank"] for p in two.placement()] == [0, 1]
+        _assert_same(one_rank, _run(two, groups, tmp_path / "hf"))
         # a checkpoint written by the 2 ranks loads back into them (each rank reads its own shards)
         two.save(str(tmp_path / "ckpt"))
         two.load(str(tmp_path / "ckpt"))
@@ -52,34 +73,38 @@ def test_two_gloo_ranks_train_like_one(ray_local, toy_model_dir, tmp_path):  # n
         with pytest.raises(RuntimeError, match=r"trainer rank [01]: load failed: RuntimeError: .*not a torch-backend"):
             two.load(str(tmp_path / "no_such_checkpoint"))
     finally:
-        one.close()
         two.close()
 
 
+def test_megatron_tp2_ranks_train_like_one_torch_rank(ray_local, toy_model_dir, groups, one_rank,  # noqa: F811
+                                                      tmp_path):
+    """The Megatron backend finds the group's process group (TP=2 over the 2 rank actors) and
+    gathers the full weights on rank 0."""
+    pytest.importorskip("megatron.core")
+    tp2 = TrainerGroup(_settings(toy_model_dir, backend="megatron"), MegatronSettings(tensor_model_parallel_size=2),
+                       TrainerGroupSettings(actor_num_gpus_per_node=2))
+    try:
+        _assert_same(one_rank, _run(tp2, groups, tmp_path / "hf"), atol=2e-5)
+    finally:
+        tp2.close()
+
+
 @pytest.mark.gpu
-def test_two_gpu_ranks_get_their_own_gpu_and_train_like_one(ray_local, toy_model_dir, tmp_path):  # noqa: F811
+def test_two_gpu_ranks_get_their_own_gpu_and_train_like_one(ray_local, toy_model_dir, groups, tmp_path):  # noqa: F811
     """On a 2-GPU machine: a placement group gives each rank its own GPU; FSDP2 over NCCL ends
     where one GPU rank ends."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    groups = make_groups(toy_model_dir, num_groups=2, group_size=8, logp_noise=0.05)
-    s = _settings(toy_model_dir, device="cuda")
     results = {}
     for n in (1, 2):  # one after the other: the machine has 2 GPUs
-        group = TrainerGroup(s, None, TrainerGroupSettings(actor_num_gpus_per_node=n))
+        group = TrainerGroup(_settings(toy_model_dir, device="cuda"), None, TrainerGroupSettings(actor_num_gpus_per_node=n))
         try:
             where = group.placement()
             assert len({tuple(p["gpus"]) for p in where}) == n and all(len(p["gpus"]) == 1 for p in where)
-            metrics = [group.train_step(batch, step) for step, batch in enumerate([groups, [groups[1][:3]]])]
-            results[n] = metrics, _exported(group, tmp_path / f"gpu{n}")
+            results[n] = _run(group, groups, tmp_path / f"gpu{n}")
         finally:
             group.close()
-    (m1, w1), (m2, w2) = results[1], results[2]
-    for a, b in zip(m1, m2):
-        for k in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train/num_samples"):
-            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), k
-    for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-4), k
+    _assert_same(results[1], results[2], rel=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("group,train,megatron,msg", [
