@@ -52,3 +52,14 @@ def test_fused_head_matches_reference_and_plain_path(results: list[dict[str, Any
             assert r[f"{impl}_no_entropy_is_none"] == 1.0
         # the plain megatron path meets the same bounds on the same inputs
         assert max(r["unfused_logp"], r["unfused_ent"]) <= tol and r["unfused_grad"] <= gtol, r
+
+
+@pytest.mark.slow
+def test_compiled_head_matches_reference(tmp_path: Path) -> None:
+    """The torch.compile'd chunk kernels (Inductor's C++ backend on the CPU) give the same numbers."""
+    cases = [dict(c, impls=["compiled"]) for c in CASES[:2]]
+    for rank_res in spawn(check_loss_head, 2, ([1, 2], cases), tmp_path, timeout_s=600):
+        for key, r in rank_res.items():
+            assert max(r["compiled_logp"], r["compiled_ent"], r["compiled_no_entropy_logp"]) <= 1e-5, (key, r)
+            assert max(r["compiled_grad"], r["compiled_grad_logp_only"]) <= 1e-5, (key, r)
+            assert r["compiled_metric_ent_detached"] == 1.0 and r["compiled_grad_dtype_ok"] == 1.0

@@ -36,13 +36,11 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 28
 
 
 def _tempered(logits: torch.Tensor, rows: torch.Tensor, temperature: float, n_valid: int) -> torch.Tensor:
-    """fp32 ``logits[rows] / temperature`` with columns ``>= n_valid`` at -inf: ``[c, Vl]``."""
-    x = logits.index_select(0, rows).float()  # [c, Vl]
+    """A fresh fp32 ``logits[rows, :n_valid] / temperature``: ``[c, n_valid]``. Padded-vocabulary
+    columns (the tail of the last slice) are sliced off, never masked."""
+    x = logits.index_select(0, rows)[:, :n_valid].float()  # [c, n_valid]
     if temperature != 1.0:
-        x = x / temperature  # [c, Vl]
-    if n_valid < x.shape[-1]:
-        col = torch.arange(x.shape[-1], device=x.device)  # [Vl]
-        x = torch.where(col < n_valid, x, float("-inf"))  # [c, Vl]
+        x.div_(temperature)
     return x
 
 
@@ -51,43 +49,41 @@ def _chunk_stats(logits: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor, ow
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Local per-row statistics of one chunk: max ``m``, ``s = sum exp(x - m)``,
     ``t = sum exp(x - m) (x - m)`` (zeros without entropy) and the target's logit (0 where this
-    rank does not own the target). All ``[c]`` fp32."""
-    x = _tempered(logits, rows, temperature, n_valid)  # [c, Vl]
-    m = x.amax(dim=-1)  # [c]; -inf only if this rank's slice is all padding
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # [c]
-    d = x - m_safe.unsqueeze(-1)  # [c, Vl]; padded -> -inf
-    e = torch.exp(d)  # [c, Vl]; padded -> 0
-    s = e.sum(dim=-1)  # [c]
-    if with_entropy:
-        t = (e * torch.where(e > 0, d, torch.zeros_like(d))).sum(dim=-1)  # [c]
-    else:
-        t = torch.zeros_like(s)
+    rank does not own the target). All ``[c]`` fp32. ``n_valid >= 1``."""
+    x = _tempered(logits, rows, temperature, n_valid)  # [c, n_valid]
     xt = x.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [c]
     xt = torch.where(owned, xt, torch.zeros_like(xt))  # [c]
-    return m_safe, s, t, xt
+    m = x.amax(dim=-1)  # [c]
+    d = x.sub_(m.unsqueeze(-1))  # [c, n_valid], in place: x - m
+    e = torch.exp(d)  # [c, n_valid]
+    s = e.sum(dim=-1)  # [c]
+    t = (e.mul_(d)).sum(dim=-1) if with_entropy else torch.zeros_like(s)  # [c]
+    return m, s, t, xt
 
 
 def _chunk_grad(logits: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor, owned: torch.Tensor,
                 lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
                 temperature: float, n_valid: int) -> torch.Tensor:
-    """d(loss)/d(logits[rows]) of one chunk, in the logits' dtype: ``[c, Vl]``.
+    """d(loss)/d(logits[rows, :n_valid]) of one chunk, in the logits' dtype: ``[c, n_valid]``.
 
-    ``d logp / dx = onehot - p``; ``d H / dx = -p (log p + H)``; ``x = logits / temperature``."""
-    x = _tempered(logits, rows, temperature, n_valid)  # [c, Vl]
-    logp_all = x - lse.unsqueeze(-1)  # [c, Vl]; padded -> -inf
-    p = torch.exp(logp_all)  # [c, Vl]; padded -> 0
-    coef = -g_logp.unsqueeze(-1) * p  # [c, Vl]
+    With ``x = logits / temperature``: ``d logp / dx = onehot - p``, ``d H / dx = -p (log p + H)``;
+    the ``1 / temperature`` is folded into the incoming gradients."""
+    g_logp = g_logp / temperature  # [c]
+    logp_all = _tempered(logits, rows, temperature, n_valid).sub_(lse.unsqueeze(-1))  # [c, n_valid] = log p
+    p = torch.exp(logp_all)  # [c, n_valid]
     if g_ent is not None:
-        term = torch.where(p > 0, logp_all + ent.unsqueeze(-1), torch.zeros_like(p))  # [c, Vl]
-        coef = coef - g_ent.unsqueeze(-1) * p * term  # [c, Vl]
+        g_ent = g_ent / temperature  # [c]
+        # -g_ent p (log p + H) - g_logp p, built in the log p buffer
+        coef = logp_all.add_(ent.unsqueeze(-1)).mul_(p).mul_(-g_ent.unsqueeze(-1))  # [c, n_valid]
+        coef = coef.addcmul_(p, g_logp.unsqueeze(-1), value=-1.0)  # [c, n_valid]
+    else:
+        coef = p.mul_(-g_logp.unsqueeze(-1))  # [c, n_valid]
     g_hit = torch.where(owned, g_logp, torch.zeros_like(g_logp))  # [c]
     if torch.compiler.is_compiling():  # one fused pointwise kernel
-        hit = torch.arange(x.shape[-1], device=x.device).unsqueeze(0) == tgt.unsqueeze(-1)  # [c, Vl]
-        coef = coef + torch.where(hit, g_hit.unsqueeze(-1), torch.zeros_like(coef))  # [c, Vl]
+        hit = torch.arange(coef.shape[-1], device=coef.device).unsqueeze(0) == tgt.unsqueeze(-1)  # [c, n_valid]
+        coef = coef + torch.where(hit, g_hit.unsqueeze(-1), torch.zeros_like(coef))  # [c, n_valid]
     else:  # eager: a sparse in-place add (fp32, before the one rounding to the logits' dtype)
-        coef.scatter_add_(-1, tgt.unsqueeze(-1), g_hit.unsqueeze(-1))  # [c, Vl]
-    if temperature != 1.0:
-        coef = coef / temperature  # [c, Vl]
+        coef.scatter_add_(-1, tgt.unsqueeze(-1), g_hit.unsqueeze(-1))  # [c, n_valid]
     return coef.to(logits.dtype)
 
 
@@ -121,13 +117,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         stats_fn, _ = _kernels(compiled)
         n = rows.numel()
         parts: list[tuple[torch.Tensor, ...]] = []
-        for i in range(0, n, chunk_rows):
-            sl = slice(i, min(n, i + chunk_rows))
-            parts.append(stats_fn(logits, rows[sl], tgt[sl], owned[sl], temperature, n_valid, with_entropy))
+        if n_valid > 0:
+            for i in range(0, n, chunk_rows):
+                sl = slice(i, min(n, i + chunk_rows))
+                parts.append(stats_fn(logits, rows[sl], tgt[sl], owned[sl], temperature, n_valid, with_entropy))
         if parts:
             m, s, t, xt = (torch.cat([p[k] for p in parts]) for k in range(4))  # [N] each
-        else:
-            m = s = t = xt = logits.new_zeros((0,), dtype=torch.float32)
+        else:  # no rows, or this rank's slice is all padding: it contributes nothing
+            m = s = t = xt = logits.new_zeros((n,), dtype=torch.float32)
         if tp > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             big = m.clone()  # [N]
@@ -162,13 +159,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
         _, grad_fn = _kernels(ctx.compiled)
-        grad = torch.zeros_like(logits)  # [M, Vl]; rows not selected get no gradient
-        n = rows.numel()
-        for i in range(0, n, ctx.chunk_rows):
+        grad = torch.zeros_like(logits)  # [M, Vl]; unselected rows and padded columns get none
+        n, n_valid = rows.numel(), ctx.n_valid
+        for i in range(0, n if n_valid > 0 else 0, ctx.chunk_rows):
             sl = slice(i, min(n, i + ctx.chunk_rows))
             g = grad_fn(logits, rows[sl], tgt[sl], owned[sl], lse[sl], ent[sl], g_logp[sl],
-                        None if g_ent is None else g_ent[sl], ctx.temperature, ctx.n_valid)  # [c, Vl]
-            grad.index_copy_(0, rows[sl], g)
+                        None if g_ent is None else g_ent[sl], ctx.temperature, n_valid)  # [c, n_valid]
+            grad[:, :n_valid].index_copy_(0, rows[sl], g)
         return grad, None, None, None, None, None, None, None, None
 
 
