@@ -6,8 +6,8 @@
 
 ``--variants``: the Megatron backend is timed once per variant, on the same weights and data; a
 variant is ``+``-joined options: ``base``/``unfused``, ``chunked``, ``compiled`` (``--loss-head``),
-``swiglu`` (``--bias-swiglu-fusion``), ``compile`` (``--torch-compile``), ``recompute``
-(``--recompute-activations``); ``default`` = the flag defaults.
+``swiglu`` (``--bias-swiglu-fusion``), ``compile`` (``--torch-compile``), ``cudnn``/``flash``
+(``--sdpa-backend``), ``recompute`` (``--recompute-activations``); ``default`` = the flag defaults.
 
 Ceiling, measured in the same run: the chip's dense matmul rate (bf16 8192^3 GEMMs on GPU, fp32
 1024^3 on CPU). MFU = model FLOPs per second / that rate, with the usual count of 6 x (matmul
@@ -130,6 +130,8 @@ VARIANT_OPTIONS = {
     "swiglu": {"bias_swiglu_fusion": True},
     "compile": {"torch_compile": True},
     "recompute": {"recompute_activations": True},
+    "cudnn": {"sdpa_backend": "cudnn"},
+    "flash": {"sdpa_backend": "flash"},
 }
 
 

@@ -23,8 +23,8 @@ def test_flags_reach_the_settings() -> None:
     s = _parse("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--sequence-parallel",
                "--use-distributed-optimizer", "--make-vocab-size-divisible-by", "64", "--recompute-activations",
                "--transformer-impl", "local", "--loss-head", "compiled", "--bias-swiglu-fusion",
-               "--torch-compile")
-    assert s == MegatronSettings(2, 4, True, True, 64, True, "local", "compiled", True, True)
+               "--torch-compile", "--sdpa-backend", "cudnn")
+    assert s == MegatronSettings(2, 4, True, True, 64, True, "local", "compiled", True, True, "cudnn")
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -43,3 +43,12 @@ def test_bad_loss_head_names_the_flag() -> None:
         MegatronSettings(loss_head="fused")
     with pytest.raises(SystemExit):  # argparse refuses it before the dataclass sees it
         _parse("--loss-head", "fused")
+    with pytest.raises(ValueError, match="--sdpa-backend"):
+        MegatronSettings(sdpa_backend="fa3")
+
+
+def test_sdpa_backend_names_agree() -> None:
+    pytest.importorskip("megatron.core")
+    from train_backend.megatron import arguments, attention
+
+    assert arguments.SDPA_BACKENDS == attention.SDPA_BACKENDS

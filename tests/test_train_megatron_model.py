@@ -82,9 +82,10 @@ def test_unsupported_configs_are_rejected() -> None:
     assert mmodel.padded_vocab(100, 128, 2) == 256 and mmodel.padded_vocab(256, 128, 2) == 256
 
 
-def test_sdpa_attention_matches_naive_causal_attention() -> None:
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn", "efficient"])
+def test_sdpa_attention_matches_naive_causal_attention(backend: str) -> None:
     """Core attention = softmax(QK^T/sqrt(d) + causal mask) V with GQA; packed segments attend
-    only within themselves."""
+    only within themselves; with any --sdpa-backend priority (on the CPU: the kernels it has)."""
     from types import SimpleNamespace
 
     import torch
@@ -96,7 +97,8 @@ def test_sdpa_attention_matches_naive_causal_attention() -> None:
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
                             attention_dropout=0.0)
-    attn = SDPAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    attn = SDPAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
+                        backend=backend)
     torch.manual_seed(0)
     s, b = 10, 2
     q = torch.randn(s, b, 4, 16)  # [s, b, np, hn]

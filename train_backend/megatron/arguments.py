@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOSS_HEADS = ("unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")  # = train_backend.megatron.attention.SDPA_BACKENDS
 
 
 @dataclass
@@ -29,7 +30,8 @@ class MegatronSettings:
     # with its chunk kernels through torch.compile (fused reductions; meant for CUDA).
     loss_head: str = "chunked"
     bias_swiglu_fusion: bool = False  # megatron-core's torch.compile'd SwiGLU (fwd + bwd kernels)
-    torch_compile: bool = False  # torch.compile every transformer layer (norms, RoPE, residuals, ...)
+    torch_compile: bool = False  # torch.compile the norm modules (see model.compile_norms)
+    sdpa_backend: str = "auto"  # which SDPA kernel the local layers try first (auto = torch's choice)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,6 +49,8 @@ class MegatronSettings:
                              f"{', '.join(TRANSFORMER_IMPLS)}")
         if self.loss_head not in LOSS_HEADS:
             raise ValueError(f"--loss-head={self.loss_head!r}: expected one of {', '.join(LOSS_HEADS)}")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"--sdpa-backend={self.sdpa_backend!r}: expected one of {', '.join(SDPA_BACKENDS)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
@@ -76,7 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bias-swiglu-fusion", action="store_true", default=d.bias_swiglu_fusion,
                    help="megatron-core's fused (torch.compile'd) SwiGLU activation; no TE/apex needed")
     g.add_argument("--torch-compile", action="store_true", default=d.torch_compile,
-                   help="torch.compile each transformer layer (first steps are slower while it compiles)")
+                   help="torch.compile the RMSNorm modules (fused kernels; the first step compiles)")
+    g.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default=d.sdpa_backend,
+                   help="local layers: the scaled_dot_product_attention kernel to try first "
+                        "(auto = torch's default order)")
 
 
 def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
@@ -92,4 +99,5 @@ def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
         loss_head=args.loss_head,
         bias_swiglu_fusion=args.bias_swiglu_fusion,
         torch_compile=args.torch_compile,
+        sdpa_backend=args.sdpa_backend,
     )

@@ -18,6 +18,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -25,6 +26,18 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+
+# --sdpa-backend: which of SDPA's kernels to try first (the others stay allowed, in this order,
+# for inputs the first one cannot take); auto = torch's own choice.
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")
+_PRIORITIES: dict[str, list[SDPBackend] | None] = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                  SDPBackend.MATH],
+}
 
 
 class SDPAttention(MegatronModule):
@@ -40,8 +53,12 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        backend: str = "auto",
     ) -> None:
         super().__init__(config=config)
+        if backend not in SDPA_BACKENDS:
+            raise ValueError(f"--sdpa-backend={backend!r}: expected one of {', '.join(SDPA_BACKENDS)}")
+        self.backends = _PRIORITIES[backend]
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention: context parallelism needs TransformerEngine "
                              "(--context-parallel-size must be 1)")
@@ -65,6 +82,12 @@ class SDPAttention(MegatronModule):
             rep = self.num_heads // self.num_groups
             k = k.repeat_interleave(rep, dim=1)  # [b, np, s, hn]
             v = v.repeat_interleave(rep, dim=1)  # [b, np, s, hn]
+        if self.backends is not None:
+            with sdpa_kernel(self.backends, set_priority=True):
+                return self._sdpa_call(q, k, v)
+        return self._sdpa_call(q, k, v)
+
+    def _sdpa_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0.0:
             with tensor_parallel.get_cuda_rng_tracker().fork():

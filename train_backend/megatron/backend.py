@@ -130,7 +130,8 @@ class MegatronBackend:
         if self.config.sequence_parallel and not (mmodel.HAVE_TE if use_te is None else use_te):
             # megatron-core's local (torch) norms refuse sequence parallelism
             raise ValueError("--sequence-parallel needs TransformerEngine layers (--transformer-impl)")
-        model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te).to(self.device)
+        model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te,
+                                       sdpa_backend=self.mcfg.sdpa_backend).to(self.device)
         if self.dtype == torch.bfloat16:
             model.bfloat16()  # megatron-core's torch norms ignore params_dtype
         checkpoint.load_hf_weights(model, reader, self.dims)

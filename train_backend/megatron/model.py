@@ -10,6 +10,7 @@ is installed, else :class:`~train_backend.megatron.attention.SDPAttention`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -167,8 +168,9 @@ def transformer_config(dims: ModelDims, *, params_dtype: torch.dtype, tp_size: i
     return TransformerConfig(**kw)
 
 
-def layer_spec(dims: ModelDims, use_te: bool | None = None) -> ModuleSpec:
-    """TransformerEngine spec when TE is installed, else the local spec with SDPA attention."""
+def layer_spec(dims: ModelDims, use_te: bool | None = None, sdpa_backend: str = "auto") -> ModuleSpec:
+    """TransformerEngine spec when TE is installed, else the local spec with SDPA attention
+    (``sdpa_backend``: which SDPA kernel to try first, see :mod:`~train_backend.megatron.attention`)."""
     if use_te is None:
         use_te = HAVE_TE
     if use_te:
@@ -177,18 +179,19 @@ def layer_spec(dims: ModelDims, use_te: bool | None = None) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
     attn = spec.submodules.self_attention.submodules
-    spec.submodules.self_attention.submodules = dataclasses.replace(attn, core_attention=SDPAttention)
+    core = SDPAttention if sdpa_backend == "auto" else functools.partial(SDPAttention, backend=sdpa_backend)
+    spec.submodules.self_attention.submodules = dataclasses.replace(attn, core_attention=core)
     return spec
 
 
 def build_gpt_model(dims: ModelDims, config: TransformerConfig, hf_config: Any,
-                    use_te: bool | None = None) -> GPTModel:
+                    use_te: bool | None = None, sdpa_backend: str = "auto") -> GPTModel:
     """One pipeline stage of the model (parallel state must be initialised), on its device."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(dims, use_te),
+        transformer_layer_spec=layer_spec(dims, use_te, sdpa_backend),
         vocab_size=dims.padded_vocab_size,
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pp_rank == 0,
