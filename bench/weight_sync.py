@@ -126,6 +126,7 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
     try:
         grp = init_weight_update_group(backend, "127.0.0.1", bare_port, 0, 2, "bare", 300.0,
                                        dev if backend == "nccl" else None)
+        grp.broadcast(torch.zeros(1, device=dev))  # NCCL builds its communicator here (it blocks)
         for fmt, bucket in args.variants:
             snd = WeightSender(WeightSyncSettings(backend=backend, bucket_bytes=bucket, load_format=fmt,
                                                   timeout_s=300.0, group_name=f"bench_{fmt}_{bucket}"))
@@ -221,6 +222,7 @@ def bare_receiver(plan_file: str, port: int, device: str, backend: str) -> None:
     plan = json.loads(Path(plan_file).read_text())
     dev = torch.device(device)
     grp = init_weight_update_group(backend, "127.0.0.1", port, 1, 2, "bare", 300.0, dev if backend == "nccl" else None)
+    grp.broadcast(torch.zeros(1, device=dev))  # NCCL builds its communicator here (it blocks)
     bufs = {"bucketed": [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in plan["buckets"]],  # [n]
             "single": [torch.empty(sum(plan["buckets"]), dtype=torch.bfloat16, device=dev)]}  # [N]
     for r in range(plan["rounds"]):

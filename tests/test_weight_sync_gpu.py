@@ -1,0 +1,130 @@
+"""WeightSender over NCCL (run on a 2-GPU machine): trainer tensors on cuda:0, one embedded engine
+on cuda:1. A push lands exactly (checksums); an engine killed mid-push or stopped (SIGSTOP) makes
+the push fail within its bound instead of hanging the trainer on a stuck NCCL kernel; the engine,
+restarted or resumed, is brought back (resync / revive) through a rebuilt NCCL group.
+
+    pytest -m gpu tests/test_weight_sync_gpu.py      (or: python tests/test_weight_sync_gpu.py)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._fixtures_weight_sync import perturbed_model, stop_engines, ws_toy_model  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+
+def _engine(model: Path, port: int = 0) -> tuple:
+    from rollout_manager.engine.launch import launch_engine_process
+    from rollout_manager.engine.settings import EngineSettings
+
+    return launch_engine_process(EngineSettings(model_path=str(model), port=port, device="cuda:1",
+                                                dtype="float32", max_running_requests=8), timeout_s=180)
+
+
+def _version(url: str) -> str:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/get_weight_version", timeout=30) as r:
+        return json.loads(r.read())["weight_version"]
+
+
+def _weights(model: Path, scale: float) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p.detach().to("cuda:0")) for n, p in perturbed_model(model, scale).named_parameters()]
+
+
+def _needs_two_gpus() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+def test_nccl_push_lands_and_a_killed_engine_is_resynced(ws_toy_model):  # noqa: F811
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    _needs_two_gpus()
+    torch.cuda.set_device(0)
+    es = [_engine(ws_toy_model)]
+    url = es[0][1]
+    s = WeightSyncSettings(backend="nccl", bucket_bytes=32 * 1024, check_equal=True, timeout_s=20, retries=1)
+    try:
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            m = sender.push(_weights(ws_toy_model, 1.25), version=1)  # checksums compared inside
+            assert m["weight_sync/num_buckets"] > 2 and _version(url) == "1"
+
+            def kill_after_first(done: int, total: int) -> None:
+                if done == 1 and es[0][0].poll() is None:
+                    es[0][0].kill()
+                    es[0][0].wait()
+
+            t = time.monotonic()
+            with pytest.raises(RuntimeError, match="push v2"):
+                sender.push(_weights(ws_toy_model, 0.75), version=2, progress=kill_after_first)
+            assert time.monotonic() - t < 6 * s.timeout_s  # bounded, not a hung NCCL kernel
+            assert not sender.engine_status()[url]["alive"]
+            es[0] = _engine(ws_toy_model, port=int(url.rsplit(":", 1)[1]))  # back at the same address
+            w2 = _weights(ws_toy_model, 0.75)
+            sender.resync(url, w2, version=2)
+            assert _version(url) == "2" and sender.engine_status()[url]["alive"]
+            m = sender.push(_weights(ws_toy_model, 0.5), version=3)
+            assert m["weight_sync/attempts"] == 1 and _version(url) == "3"
+    finally:
+        stop_engines(es)
+
+
+def test_nccl_stalled_engine_does_not_hang_the_trainer(ws_toy_model):  # noqa: F811
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    _needs_two_gpus()
+    torch.cuda.set_device(0)
+    es = [_engine(ws_toy_model)]
+    url = es[0][1]
+    s = WeightSyncSettings(backend="nccl", bucket_bytes=32 * 1024, timeout_s=5.0, retries=1)
+    try:
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            w = _weights(ws_toy_model, 1.1)
+
+            def stop_after_first(done: int, total: int) -> None:
+                if done == 1:
+                    os.kill(es[0][0].pid, signal.SIGSTOP)  # alive but unresponsive
+
+            t = time.monotonic()
+            with pytest.raises(RuntimeError, match="push v1"):
+                sender.push(w, version=1, progress=stop_after_first)
+            assert time.monotonic() - t < 8 * s.timeout_s
+            os.kill(es[0][0].pid, signal.SIGCONT)  # it answers again: the next push revives it
+            m = sender.push(w, version=2)
+            assert m["weight_sync/revived"] == 1 and _version(url) == "2"
+    finally:
+        stop_engines(es)
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+
+    from tests._fixtures_weight_sync import _make_toy_model_main
+
+    path = Path(tempfile.mkdtemp()) / "model"
+    _make_toy_model_main()(["--out", str(path), "--num-train", "10", "--num-eval", "4"])
+    failed = 0
+    for t in (test_nccl_push_lands_and_a_killed_engine_is_resynced, test_nccl_stalled_engine_does_not_hang_the_trainer):
+        t0 = time.time()
+        try:
+            t(path)
+            print(f"PASS {t.__name__} ({time.time() - t0:.1f}s)", flush=True)
+        except BaseException as e:  # report and go on to the next test
+            failed += 1
+            print(f"FAIL {t.__name__} ({time.time() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
+    sys.exit(1 if failed else 0)
