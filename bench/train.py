@@ -147,7 +147,8 @@ def variant_settings(spec: str) -> Any:
     return MegatronSettings(**kw)
 
 
-def profile_step(name: str, backend: Any, groups: list, step: int, device: torch.device) -> None:
+def profile_step(name: str, backend: Any, groups: list, step: int, device: torch.device, out: Path) -> None:
+    """One profiled step: its top ops are printed and written to ``out``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -155,8 +156,10 @@ def profile_step(name: str, backend: Any, groups: list, step: int, device: torch
         backend.train_step(groups, step)
         _sync(device)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(f"--- {name}: top ops by {key}")
-    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    print(f"--- {name}: top ops by {key}\n{table}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{name}: top ops by {key}\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backends", default="megatron,torch")
     ap.add_argument("--variants", default="default",
                     help="comma-separated Megatron backend variants (see the module doc), e.g. base,compiled+swiglu")
-    ap.add_argument("--profile", action="store_true", help="print each backend's top kernels for one extra step")
+    ap.add_argument("--profile", action="store_true",
+                    help="print each backend's top kernels for one extra step (also written next to --out)")
     ap.add_argument("--max-logprob-diff", type=float, default=None,
                     help="self-check bound on the mean |logp_megatron - logp_torch| (default 0.05 bf16, 1e-4 fp32)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
@@ -232,7 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
             times = time_steps(backend, groups, args.steps, device, tokens)
             metrics[f"{name}_wall_s"] = round(time.perf_counter() - t0, 1)  # incl. warm-up/compilation
             if args.profile:
-                profile_step(name, backend, groups, args.steps + 1, device)
+                out = Path(args.out)
+                profile_step(name, backend, groups, args.steps + 1, device,
+                             out.with_name(f"{out.stem}.profile.{name.replace('[', '_').replace(']', '').replace('+', '_')}.txt"))
             step_s = statistics.median(times)
             tps = tokens / step_s
             metrics[f"{name}_step_s"] = round(step_s, 4)

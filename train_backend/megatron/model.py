@@ -247,7 +247,9 @@ def compile_norms(model: torch.nn.Module) -> int:
 
     norms = [m for m in model.modules() if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
     # All instances share one code object; leave room in case dynamo guards on each instance.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(norms) + 8)
+    # (torch < 2.7 calls the limit cache_size_limit.)
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), len(norms) + 8))
     for m in norms:
         m.compile()
     return len(norms)
