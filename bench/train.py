@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per backend (after one warm-up)")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
                     help="micro-batch size in tokens (default 4 sequences: small models are launch-bound)")
-    ap.add_argument("--backends", default="megatron,torch")
+    ap.add_argument("--backends", default="megatron,torch",
+                    help="megatron (once per --variants entry), torch, torch+compile (decoder layers compiled)")
     ap.add_argument("--variants", default="default",
                     help="comma-separated Megatron backend variants (see the module doc), e.g. base,compiled+swiglu")
     ap.add_argument("--profile", action="store_true",
@@ -186,12 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     max_diff = args.max_logprob_diff or (1e-4 if dtype == "float32" else 0.05)
     backends = args.backends.split(",")
     for name in backends:
-        if name not in ("megatron", "torch"):
-            raise ValueError(f"--backends: unknown backend {name!r}")
+        if name not in ("megatron", "torch", "torch+compile"):
+            raise ValueError(f"--backends: unknown backend {name!r} (megatron, torch, torch+compile)")
     variants = args.variants.split(",") if "megatron" in backends else []
     for v in variants:
         variant_settings(v)  # fail on a bad name before any work
-    runs = [("torch", None) if name == "torch" else (f"megatron[{v}]", v)
+    runs = [(name, None) if name != "megatron" else (f"megatron[{v}]", v)
             for name in backends for v in (variants if name == "megatron" else [None])]
     cfg = model_config(args.tiny)
 
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 from train_backend.torch_backend import TorchBackend
 
-                backend = TorchBackend(settings)
+                backend = TorchBackend(settings, compile_layers=name == "torch+compile")
             logps[name] = backend.compute_log_probs(check)  # before any update: same weights
             t0 = time.perf_counter()
             times = time_steps(backend, groups, args.steps, device, tokens)
@@ -254,16 +255,16 @@ def main(argv: list[str] | None = None) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-    if "torch" in logps:
-        for name in logps:
-            if name == "torch":
-                continue
-            diffs = [abs(x - y) for ra, rb in zip(logps[name], logps["torch"]) for x, y in zip(ra, rb)]
-            metrics[f"{name}_logprob_mean_abs_diff"] = statistics.fmean(diffs)
-            metrics[f"{name}_logprob_max_abs_diff"] = max(diffs)
-            if metrics[f"{name}_logprob_mean_abs_diff"] > max_diff:
-                raise RuntimeError(f"self-check failed: {name} and torch log-probs differ by "
-                                   f"{metrics[f'{name}_logprob_mean_abs_diff']} on average (bound {max_diff})")
+    ref = next((n for n in ("torch", "torch+compile") if n in logps), None)
+    for name in logps:
+        if ref is None or name == ref:
+            continue
+        diffs = [abs(x - y) for ra, rb in zip(logps[name], logps[ref]) for x, y in zip(ra, rb)]
+        metrics[f"{name}_logprob_mean_abs_diff"] = statistics.fmean(diffs)
+        metrics[f"{name}_logprob_max_abs_diff"] = max(diffs)
+        if metrics[f"{name}_logprob_mean_abs_diff"] > max_diff:
+            raise RuntimeError(f"self-check failed: {name} and {ref} log-probs differ by "
+                               f"{metrics[f'{name}_logprob_mean_abs_diff']} on average (bound {max_diff})")
     if variants:  # the unprefixed megatron_* numbers (and the ratio) are the best variant's
         best = max(variants, key=lambda v: metrics[f"megatron[{v}]_mfu"])
         metrics["megatron_variant"] = best

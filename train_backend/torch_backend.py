@@ -36,7 +36,9 @@ _ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
 class TorchBackend:
     """HF model + AdamW (+ FSDP2 under data parallelism). See :class:`~train_backend.interfaces.TrainBackend`."""
 
-    def __init__(self, settings: TrainSettings) -> None:
+    def __init__(self, settings: TrainSettings, compile_layers: bool = False) -> None:
+        """``compile_layers``: ``torch.compile`` each decoder layer in place (fused norms, RoPE,
+        SwiGLU, residuals; the first steps compile). Parameter names are unchanged."""
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
@@ -73,6 +75,15 @@ class TorchBackend:
             if self.ref_model is not None:
                 self.ref_model.to(self.device)
                 self._shard(self.ref_model)
+        if compile_layers:
+            from torch import _dynamo
+
+            layers = model.get_decoder().layers
+            # one code object for every layer: room for a guard per layer (e.g. its index)
+            name = "recompile_limit" if hasattr(_dynamo.config, "recompile_limit") else "cache_size_limit"
+            setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), 2 * len(layers) + 8))
+            for layer in layers:
+                layer.compile()
         self.model = model
         self.model.train()
         self.optimizer = torch.optim.AdamW(

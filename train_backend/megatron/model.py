@@ -243,13 +243,13 @@ def compile_norms(model: torch.nn.Module) -> int:
     would silently run eagerly anyway. The norms are graph-break free. (SwiGLU has its own fused
     kernels: ``--bias-swiglu-fusion``.)
     """
-    import torch._dynamo
+    from torch import _dynamo
 
     norms = [m for m in model.modules() if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
     # All instances share one code object; leave room in case dynamo guards on each instance.
     # (torch < 2.7 calls the limit cache_size_limit.)
-    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), len(norms) + 8))
+    name = "recompile_limit" if hasattr(_dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), len(norms) + 8))
     for m in norms:
         m.compile()
     return len(norms)
