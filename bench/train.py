@@ -7,23 +7,26 @@
 ``--variants``: the Megatron backend is timed once per variant, on the same weights and data; a
 variant is ``+``-joined options: ``base``/``unfused``, ``chunked``, ``compiled`` (``--loss-head``),
 ``swiglu`` (``--bias-swiglu-fusion``), ``compile`` (``--torch-compile``), ``cudnn``/``flash``
-(``--sdpa-backend``), ``recompute`` (``--recompute-activations``); ``default`` = the flag defaults.
+(``--sdpa-backend``), ``recompute`` (``--recompute-activations``), ``mbt<N>`` (N tokens per
+micro-batch instead of ``--max-tokens-per-micro-batch``); ``default`` = the flag defaults.
 
 Ceiling, measured in the same run: the chip's dense matmul rate (bf16 8192^3 GEMMs on GPU, fp32
 1024^3 on CPU). MFU = model FLOPs per second / that rate, with the usual count of 6 x (matmul
 parameters) + 6 x layers x seq x attention width per trained token (causal attention; activation
 recomputation not counted). ``ratio`` = the Megatron backend's MFU; the issue's target is 0.40.
 
-Self-checks before timing (the run fails if they fail): every Megatron variant gives the same
-per-token log-probs as the torch backend on the same weights (mean abs diff under
-``--max-logprob-diff``), every timed step has a finite loss and trains on the expected number of
-tokens.
+Self-checks (the run fails if they fail): every Megatron variant gives the same per-token
+log-probs as the torch backend on the same weights (mean abs diff under ``--max-logprob-diff``);
+every run's first step (on the initial weights) has the first run's grad norm (within
+``--max-grad-norm-rel-diff``) and entropy (2%): a check of each variant's backward; every timed
+step has a finite loss and trains on the expected number of tokens.
 Writes ``bench/results/train.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -104,8 +107,11 @@ def make_groups(rng: random.Random, num_groups: int, n: int, seq: int, prompt: i
     return out
 
 
-def time_steps(backend: Any, groups: list, steps: int, device: torch.device, expected_tokens: int) -> list[float]:
-    times = []
+def time_steps(backend: Any, groups: list, steps: int, device: torch.device, expected_tokens: int
+               ) -> tuple[list[float], dict[str, float]]:
+    """Step times after one warm-up step, and the warm-up step's metrics (taken on the initial
+    weights: comparable across backends and variants)."""
+    times, first = [], {}
     for step in range(steps + 1):  # the first step warms up (allocator, kernels): not timed
         _sync(device)
         t0 = time.perf_counter()
@@ -113,12 +119,14 @@ def time_steps(backend: Any, groups: list, steps: int, device: torch.device, exp
         _sync(device)
         if step:
             times.append(time.perf_counter() - t0)
+        else:
+            first = m
         if not torch.isfinite(torch.tensor(m["train/loss"])):
             raise RuntimeError(f"non-finite loss {m['train/loss']} in step {step}")
         if round(m["train/tokens_per_s"] * m["train/step_time_s"]) != expected_tokens:
             raise RuntimeError(f"step {step} trained on {m['train/tokens_per_s'] * m['train/step_time_s']:.0f} "
                                f"tokens, expected {expected_tokens}")
-    return times
+    return times, first
 
 
 VARIANT_OPTIONS = {
@@ -135,16 +143,22 @@ VARIANT_OPTIONS = {
 }
 
 
-def variant_settings(spec: str) -> Any:
-    """``MegatronSettings`` of a ``+``-joined variant name (``ValueError`` naming ``--variants``)."""
+def variant_settings(spec: str) -> tuple[Any, int | None]:
+    """``(MegatronSettings, micro-batch tokens or None)`` of a ``+``-joined variant name
+    (``ValueError`` naming ``--variants``); ``mbt<N>`` overrides ``--max-tokens-per-micro-batch``."""
     from train_backend.megatron.arguments import MegatronSettings
 
     kw: dict[str, Any] = {}
+    mbt = None
     for opt in spec.split("+"):
-        if opt not in VARIANT_OPTIONS:
-            raise ValueError(f"--variants: unknown option {opt!r} in {spec!r} (options: {', '.join(VARIANT_OPTIONS)})")
-        kw.update(VARIANT_OPTIONS[opt])
-    return MegatronSettings(**kw)
+        if opt.startswith("mbt") and opt[3:].isdigit():
+            mbt = int(opt[3:])
+        elif opt in VARIANT_OPTIONS:
+            kw.update(VARIANT_OPTIONS[opt])
+        else:
+            raise ValueError(f"--variants: unknown option {opt!r} in {spec!r} "
+                             f"(options: {', '.join(VARIANT_OPTIONS)}, mbt<tokens>)")
+    return MegatronSettings(**kw), mbt
 
 
 def profile_step(name: str, backend: Any, groups: list, step: int, device: torch.device, out: Path) -> None:
@@ -179,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="print each backend's top kernels for one extra step (also written next to --out)")
     ap.add_argument("--max-logprob-diff", type=float, default=None,
                     help="self-check bound on the mean |logp_megatron - logp_torch| (default 0.05 bf16, 1e-4 fp32)")
+    ap.add_argument("--max-grad-norm-rel-diff", type=float, default=0.1,
+                    help="self-check bound on the first step's grad norm of each run vs the first run (relative)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -227,15 +243,19 @@ def main(argv: list[str] | None = None) -> dict:
             if variant is not None:
                 from train_backend.megatron import create_megatron_backend
 
-                backend = create_megatron_backend(settings, variant_settings(variant))
+                mcfg, mbt = variant_settings(variant)
+                backend = create_megatron_backend(
+                    settings if mbt is None else dataclasses.replace(settings, max_tokens_per_micro_batch=mbt), mcfg)
             else:
                 from train_backend.torch_backend import TorchBackend
 
                 backend = TorchBackend(settings, compile_layers=name == "torch+compile")
             logps[name] = backend.compute_log_probs(check)  # before any update: same weights
             t0 = time.perf_counter()
-            times = time_steps(backend, groups, args.steps, device, tokens)
+            times, first = time_steps(backend, groups, args.steps, device, tokens)
             metrics[f"{name}_wall_s"] = round(time.perf_counter() - t0, 1)  # incl. warm-up/compilation
+            for k in ("loss", "grad_norm", "entropy"):  # the first step's, on the initial weights
+                metrics[f"{name}_step0_{k}"] = first[f"train/{k}"]
             if args.profile:
                 out = Path(args.out)
                 profile_step(name, backend, groups, args.steps + 1, device,
@@ -265,6 +285,15 @@ def main(argv: list[str] | None = None) -> dict:
         if metrics[f"{name}_logprob_mean_abs_diff"] > max_diff:
             raise RuntimeError(f"self-check failed: {name} and {ref} log-probs differ by "
                                f"{metrics[f'{name}_logprob_mean_abs_diff']} on average (bound {max_diff})")
+    # Gradient and entropy self-check: on the initial weights every run's first step must agree
+    # (the bounds are far above bf16 noise, far below what a wrong gradient or softmax gives).
+    first_run = runs[0][0]
+    for name, _ in runs[1:]:
+        gn, gn0 = metrics[f"{name}_step0_grad_norm"], metrics[f"{first_run}_step0_grad_norm"]
+        ent, ent0 = metrics[f"{name}_step0_entropy"], metrics[f"{first_run}_step0_entropy"]
+        if abs(gn - gn0) > args.max_grad_norm_rel_diff * abs(gn0) or abs(ent - ent0) > 0.02 * abs(ent0) + 1e-3:
+            raise RuntimeError(f"self-check failed: first-step grad norm / entropy of {name} ({gn:.6g}, {ent:.6g}) "
+                               f"differ from {first_run}'s ({gn0:.6g}, {ent0:.6g})")
     if variants:  # the unprefixed megatron_* numbers (and the ratio) are the best variant's
         best = max(variants, key=lambda v: metrics[f"megatron[{v}]_mfu"])
         metrics["megatron_variant"] = best
