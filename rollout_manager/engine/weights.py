@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.buckets import bucket_numel, parse_dtype, tensor_checksum, unflatten_bucket
+from weight_sync.buckets import bucket_numel, parse_dtype, tensor_checksum
 from weight_sync.process_group import WeightUpdateGroup, init_weight_update_group
 
 from .model_runner import ModelRunner
@@ -127,7 +127,7 @@ class WeightManager:
             if flat:
                 buf = torch.empty(bucket_numel(tshapes), dtype=tdtypes[0], device=dev)  # [numel]
                 g.group.broadcast(buf, src=0)
-                return unflatten_bucket(buf, tshapes)
+                return buf.split([bucket_numel([sh]) for sh in tshapes])  # 1-D views, one per tensor
             out = []
             for dt, sh in zip(tdtypes, tshapes):
                 t = torch.empty(sh, dtype=dt, device=dev)
@@ -198,13 +198,17 @@ class WeightManager:
 
         def copy() -> None:
             try:
-                same = [(params[n], t) for n, t in tensors.items() if params[n].dtype == t.dtype]
+                # Flat views on both sides: a received bucket arrives as 1-D parts, and making them
+                # here (not on the HTTP loop) keeps that work off the push's round trips.
+                pairs = [(params[n].view(-1), t.reshape(-1)) if params[n].is_contiguous()
+                         else (params[n], t.reshape(params[n].shape)) for n, t in tensors.items()]
+                same = [(p, t) for p, t in pairs if p.dtype == t.dtype]
                 with torch.no_grad():
                     if same:  # one fused launch for the bucket instead of one copy per tensor
                         torch._foreach_copy_([p for p, _ in same], [t for _, t in same])
-                    for n, t in tensors.items():
-                        if params[n].dtype != t.dtype:
-                            params[n].copy_(t)  # casts to the engine's dtype
+                    for p, t in pairs:
+                        if p.dtype != t.dtype:
+                            p.copy_(t)  # casts to the engine's dtype
             except Exception as e:
                 self._apply_error = f"copying {len(tensors)} tensors into the model failed: {type(e).__name__}: {e}"
                 raise
