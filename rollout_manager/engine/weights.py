@@ -7,10 +7,18 @@
   forwards (in the scheduler thread), so no forward ever sees a half-updated model.
 - ``update_from_disk``: load a checkpoint and copy it in the same way.
 
-Blocking collectives run in one worker thread per group (so they keep their order and never
-block the HTTP event loop: the trainer broadcasts while the POST is in flight). Metadata that
-does not match the model still has its broadcast received (drained) before the 400 is returned,
-so the group stays consistent for the next bucket.
+Where a bucket's time goes matters (a 512 MiB bucket crosses NVLink in ~1.5 ms), so:
+- gloo receives block until the bucket is here, and NCCL's first collective of a group builds
+  its communicator (blocking too): both run in the group's one worker thread, in order. Later
+  NCCL receives only queue work on the GPU and are issued on the HTTP loop itself (a thread hop
+  cost 0.4-1 ms per bucket on the GPU VMs).
+- The copy into the model is queued on the scheduler (it runs between two forwards, in order,
+  before any forward that follows it) and answered without waiting, except for the bucket that
+  carries ``weight_version``: it waits for its copy and so for every earlier one, and reports
+  any earlier failure instead of switching the version.
+Metadata that does not match the model still has its broadcast received (drained) before the
+400 is returned, so the group stays consistent for the next bucket. ``trace`` keeps the last
+buckets' timings (``/server_info``), which bench/weight_sync.py lines up with the trainer's.
 """
 
 from __future__ import annotations
