@@ -7,7 +7,7 @@
 ``--variants``: the Megatron backend is timed once per variant, on the same weights and data; a
 variant is ``+``-joined options: ``base``/``unfused``, ``chunked``, ``compiled`` (``--loss-head``),
 ``swiglu`` (``--bias-swiglu-fusion``), ``compile`` (``--torch-compile``), ``cudnn``/``flash``
-(``--sdpa-backend``), ``recompute`` (``--recompute-activations``), ``mbt<N>`` (N tokens per
+(``--sdpa-backend``), ``fusedadam`` (``--fused-adam``), ``recompute`` (``--recompute-activations``), ``mbt<N>`` (N tokens per
 micro-batch instead of ``--max-tokens-per-micro-batch``); ``default`` = the flag defaults.
 
 Ceiling, measured in the same run: the chip's dense matmul rate (bf16 8192^3 GEMMs on GPU, fp32
@@ -140,6 +140,7 @@ VARIANT_OPTIONS = {
     "recompute": {"recompute_activations": True},
     "cudnn": {"sdpa_backend": "cudnn"},
     "flash": {"sdpa_backend": "flash"},
+    "fusedadam": {"fused_adam": True},
 }
 
 

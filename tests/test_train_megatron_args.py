@@ -23,8 +23,8 @@ def test_flags_reach_the_settings() -> None:
     s = _parse("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--sequence-parallel",
                "--use-distributed-optimizer", "--make-vocab-size-divisible-by", "64", "--recompute-activations",
                "--transformer-impl", "local", "--loss-head", "compiled", "--bias-swiglu-fusion",
-               "--torch-compile", "--sdpa-backend", "cudnn")
-    assert s == MegatronSettings(2, 4, True, True, 64, True, "local", "compiled", True, True, "cudnn")
+               "--torch-compile", "--sdpa-backend", "cudnn", "--fused-adam")
+    assert s == MegatronSettings(2, 4, True, True, 64, True, "local", "compiled", True, True, "cudnn", True)
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -52,3 +52,21 @@ def test_sdpa_backend_names_agree() -> None:
     from train_backend.megatron import arguments, attention
 
     assert arguments.SDPA_BACKENDS == attention.SDPA_BACKENDS
+
+
+def test_fuse_adam_switches_the_inner_torch_optimizer() -> None:
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    import torch
+
+    from train_backend.megatron.backend import _fuse_adam
+
+    p = torch.nn.Parameter(torch.randn(4))
+    wrapped = SimpleNamespace(optimizer=torch.optim.AdamW([p], lr=0.1))
+    _fuse_adam(SimpleNamespace(chained_optimizers=[wrapped]))
+    assert all(g["fused"] and g["foreach"] is False for g in wrapped.optimizer.param_groups)
+    p.grad = torch.ones(4)
+    wrapped.optimizer.step()  # runs torch's fused kernel (it has a CPU one)
+    with pytest.raises(ValueError, match="--fused-adam"):
+        _fuse_adam(SimpleNamespace(optimizer=torch.optim.SGD([p], lr=0.1)))

@@ -54,6 +54,7 @@ def _assert_matches(ref: dict[str, Any], got: dict[str, Any], what: str, tol: fl
 LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2},
            # the plain (fp32 [N, V]) log-prob head; the others use the default chunked one
            "tp2_unfused_head": {"tensor_model_parallel_size": 2, "loss_head": "unfused"},
+           "dp2_fused_adam": {"fused_adam": True},  # torch's fused AdamW has a CPU kernel too
            "dp2_distopt": {"use_distributed_optimizer": True}}
 
 

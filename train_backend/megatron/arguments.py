@@ -32,6 +32,7 @@ class MegatronSettings:
     bias_swiglu_fusion: bool = False  # megatron-core's torch.compile'd SwiGLU (fwd + bwd kernels)
     torch_compile: bool = False  # torch.compile the norm modules (see model.compile_norms)
     sdpa_backend: str = "auto"  # which SDPA kernel the local layers try first (auto = torch's choice)
+    fused_adam: bool = False  # torch's fused AdamW kernel instead of its foreach implementation
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default=d.sdpa_backend,
                    help="local layers: the scaled_dot_product_attention kernel to try first "
                         "(auto = torch's default order)")
+    g.add_argument("--fused-adam", action="store_true", default=d.fused_adam,
+                   help="torch's fused AdamW kernel (without TE/apex megatron-core uses torch's foreach AdamW)")
 
 
 def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
@@ -100,4 +103,5 @@ def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
         bias_swiglu_fusion=args.bias_swiglu_fusion,
         torch_compile=args.torch_compile,
         sdpa_backend=args.sdpa_backend,
+        fused_adam=args.fused_adam,
     )

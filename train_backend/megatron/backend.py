@@ -57,6 +57,19 @@ def _finalize_grads(model: list[torch.nn.Module], num_tokens: Any = None, **kwar
     finalize_model_grads(model, None, **kwargs)
 
 
+def _fuse_adam(optimizer: Any) -> None:
+    """Switch the torch Adam(W) inside megatron's optimizer wrapper(s) to torch's fused kernel
+    (one multi-tensor kernel per step instead of ~10 foreach passes over the fp32 state). Without
+    TE/apex megatron-core uses ``torch.optim.AdamW`` with its default (foreach) implementation."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for opt in inner:
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(f"--fused-adam: megatron built a {type(opt).__name__}, not torch's Adam/AdamW")
+        for group in opt.param_groups:
+            group["foreach"] = False
+            group["fused"] = True
+
+
 class MegatronBackend:
     """See :class:`~train_backend.interfaces.TrainBackend`. Every rank of the job constructs one
     and calls each method in the same order (they are collective)."""
@@ -100,6 +113,8 @@ class MegatronBackend:
                                 params_dtype=self.dtype,
                                 use_distributed_optimizer=self.mcfg.use_distributed_optimizer),
                 [self.model])
+            if self.mcfg.fused_adam:
+                _fuse_adam(self.optimizer)
             self.config.no_sync_func = self.model.no_sync
             self.config.finalize_model_grads_func = _finalize_grads
         self.optimizer_steps = 0
