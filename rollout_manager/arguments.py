@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutSettings,
-                                      SamplingSettings)
+from rollout_manager.settings import (ROUTER_POLICIES, DataSettings, EngineFleetSettings, PluginSettings,
+                                      RolloutSettings, SamplingSettings)
 
 D, E, S, P = DataSettings, EngineFleetSettings, SamplingSettings, PluginSettings
 
@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra flags for each embedded (or instant) engine, as one string")
     g.add_argument("--sglang-router-ip", default=E.sglang_router_ip, help="a running sglang-router")
     g.add_argument("--sglang-router-port", type=int, default=E.sglang_router_port)
-    g.add_argument("--router-policy", default=E.router_policy,
-                   choices=["random", "round_robin", "cache_aware", "power_of_two"],
+    # ROUTER_POLICIES: not power_of_two (see settings.py; tests/test_router.py starts each choice)
+    g.add_argument("--router-policy", default=E.router_policy, choices=list(ROUTER_POLICIES),
                    help="load balancing of the sglang-router started here (cache_aware keeps a prompt's "
                         "samples on one engine: good for SGLang's prefix cache, uneven on small batches)")
     g.add_argument("--engine-startup-timeout", type=float, default=E.engine_startup_timeout)

@@ -26,6 +26,12 @@ class DataSettings:
     strict_data: bool = False  # a bad line is an error instead of being skipped
 
 
+# sglang-router policies a router started by the manager can use. Not power_of_two: sglang-router
+# 0.3.2 exits at start-up with it unless 2+ workers are given on its command line, and the manager
+# starts the router before it registers the engines.
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware")
+
+
 @dataclass
 class EngineFleetSettings:
     """Which engines serve generation and how they are reached."""
@@ -38,7 +44,7 @@ class EngineFleetSettings:
     engine_urls: list[str] = field(default_factory=list)  # running servers: start none
     sglang_router_ip: str | None = None  # a running router: start none
     sglang_router_port: int | None = None
-    router_policy: str = "round_robin"  # sglang-router --policy for a router started here
+    router_policy: str = "round_robin"  # sglang-router --policy for a router started here (ROUTER_POLICIES)
     sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as CLI tokens
     engine_extra_args: str = ""  # extra flags for embedded/instant engines, e.g. "--max-running-requests 64"
     engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy
