@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollout_manager.engine_client import EngineClient, EngineError
@@ -65,23 +67,30 @@ class Router:
 
     @classmethod
     def start(cls, *, policy: str, health_check_interval: float, host: str = "127.0.0.1", port: int | None = None,
-              log_path: str | Path | None = None, timeout: float = 60.0) -> "Router":
+              log_path: str | Path | None = None, timeout: float = 60.0, extra_args: Sequence[str] = (),
+              env: Mapping[str, str] | None = None) -> "Router":
         """Launch ``python -m sglang_router.launch_router`` on ``host`` and wait until it answers.
 
         ``policy`` and ``health_check_interval`` come from the settings (``--router-policy``,
-        ``--health-check-interval``): their defaults live there."""
+        ``--health-check-interval``): their defaults live there. ``extra_args`` (appended: a repeated
+        flag overrides ours) and ``env`` (added to this process's environment) are for experiments
+        such as bench/rollout.py part (c)."""
         port = port or free_port(host)
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                "--prometheus-host", host, "--prometheus-port", str(free_port(host)), "--policy", policy,
+               # warn, not its default info: info writes two lines per request (~0.4 kB, ~20% of its CPU)
                "--log-level", "warn", "--health-check-interval-secs", str(max(1, int(health_check_interval))),
                # Our client retries on other engines; the router retrying the same dead one only delays that.
-               "--retry-max-retries", "1", "--request-timeout-secs", "3600"]
+               "--retry-max-retries", "1", "--request-timeout-secs", "3600", *extra_args]
+        child_env = {**os.environ, **env} if env else None
         if log_path:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as out:  # the child keeps its own descriptor
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=child_env)
         else:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=child_env)
         router = cls(host, port, proc)
         router._wait_up(timeout)
         return router
