@@ -27,6 +27,15 @@ def test_flags_reach_the_settings() -> None:
     assert s == MegatronSettings(2, 4, True, True, 64, True, "local", "compiled", True, True, "cudnn", True)
 
 
+def test_auto_choices_are_made_per_device() -> None:
+    d = MegatronSettings()
+    cuda, cpu = d.for_device("cuda"), d.for_device("cpu")
+    assert (cuda.loss_head, cuda.bias_swiglu_fusion, cuda.torch_compile) == ("compiled", True, True)
+    assert (cpu.loss_head, cpu.bias_swiglu_fusion, cpu.torch_compile) == ("chunked", False, False)
+    off = _parse("--no-bias-swiglu-fusion", "--no-torch-compile", "--loss-head", "unfused").for_device("cuda")
+    assert (off.loss_head, off.bias_swiglu_fusion, off.torch_compile) == ("unfused", False, False)
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size"),
     (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),

@@ -7,10 +7,11 @@ The launcher calls :func:`add_arguments` beside the torch half's ``train_backend
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-LOSS_HEADS = ("unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
+LOSS_HEADS = ("auto", "unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")  # = train_backend.megatron.attention.SDPA_BACKENDS
 
 
@@ -28,14 +29,26 @@ class MegatronSettings:
     # Log-prob/entropy head: unfused = fp32 [N, V] copies + megatron's vocab-parallel cross
     # entropy; chunked = one memory-lean autograd function over token chunks; compiled = the same
     # with its chunk kernels through torch.compile (fused reductions; meant for CUDA).
-    loss_head: str = "chunked"
-    bias_swiglu_fusion: bool = False  # megatron-core's torch.compile'd SwiGLU (fwd + bwd kernels)
-    torch_compile: bool = False  # torch.compile the norm modules (see model.compile_norms)
+    # auto = compiled on CUDA, chunked on the CPU (where compiling would only slow small runs).
+    loss_head: str = "auto"
+    # CUDA speed-ups that need neither TE nor apex; None = on with CUDA, off on the CPU.
+    # Measured on an H200 (bench/train, 0.5B model, 4k tokens): MFU 0.31 -> 0.41 (compiled head)
+    # -> 0.44 (+ SwiGLU fusion + compiled norms); peak memory 75 -> 35 GiB.
+    bias_swiglu_fusion: bool | None = None  # megatron-core's torch.compile'd SwiGLU (fwd + bwd kernels)
+    torch_compile: bool | None = None  # torch.compile the norm modules (see model.compile_norms)
     sdpa_backend: str = "auto"  # which SDPA kernel the local layers try first (auto = torch's choice)
     fused_adam: bool = False  # torch's fused AdamW kernel instead of its foreach implementation
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def for_device(self, device_type: str) -> "MegatronSettings":
+        """A copy with every ``auto``/``None`` choice made for ``device_type`` (``cuda`` or ``cpu``)."""
+        cuda = device_type == "cuda"
+        return dataclasses.replace(
+            self, loss_head=("compiled" if cuda else "chunked") if self.loss_head == "auto" else self.loss_head,
+            bias_swiglu_fusion=cuda if self.bias_swiglu_fusion is None else self.bias_swiglu_fusion,
+            torch_compile=cuda if self.torch_compile is None else self.torch_compile)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag of the first bad field."""
@@ -76,12 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="layer implementation: TransformerEngine or megatron-core local layers + SDPA")
     g.add_argument("--loss-head", choices=LOSS_HEADS, default=d.loss_head,
                    help="log-prob/entropy computation over the vocabulary: unfused (fp32 [N, V] copies), "
-                        "chunked (memory-lean, recomputes the softmax in backward) or compiled "
-                        "(chunked with torch.compile'd kernels; for CUDA)")
-    g.add_argument("--bias-swiglu-fusion", action="store_true", default=d.bias_swiglu_fusion,
-                   help="megatron-core's fused (torch.compile'd) SwiGLU activation; no TE/apex needed")
-    g.add_argument("--torch-compile", action="store_true", default=d.torch_compile,
-                   help="torch.compile the RMSNorm modules (fused kernels; the first step compiles)")
+                        "chunked (memory-lean, recomputes the softmax in backward), compiled "
+                        "(chunked with torch.compile'd kernels; for CUDA) or auto (compiled on CUDA)")
+    g.add_argument("--bias-swiglu-fusion", action=argparse.BooleanOptionalAction, default=d.bias_swiglu_fusion,
+                   help="megatron-core's fused (torch.compile'd) SwiGLU activation; no TE/apex needed "
+                        "(default: on with CUDA)")
+    g.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=d.torch_compile,
+                   help="torch.compile the RMSNorm modules (fused kernels; the first step compiles; "
+                        "default: on with CUDA)")
     g.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default=d.sdpa_backend,
                    help="local layers: the scaled_dot_product_attention kernel to try first "
                         "(auto = torch's default order)")

@@ -78,7 +78,7 @@ class MegatronBackend:
         from transformers import AutoConfig
 
         self.settings = settings
-        self.mcfg = megatron or MegatronSettings()
+        self.mcfg = (megatron or MegatronSettings()).for_device(torch.device(settings.device).type)
         self.loss_cfg = LossConfig.from_settings(settings)
         self.device = torch.device(settings.device)
         if settings.dtype not in ("float32", "bfloat16"):
