@@ -7,7 +7,12 @@
     server and the client share them). Target: >= 3000 requests/s on a 2-core machine.
 (b) The whole manager (router, rewards, grouping) against calling the same engines directly with
     the same concurrency, on the toy model with the embedded engine, greedy so both do the same
-    work. ``ratio`` = direct time / manager time (medians), target 0.95.
+    work. ``ratio`` = direct time / manager time (medians), target 0.95. Also the CPU each path uses
+    (router, this process, engines; from /proc), and what that predicts: on a box whose cores the
+    engines keep busy, every CPU ms spent beside the engines costs ~1/cores ms of batch time.
+(c) The router alone: its CPU per request and the latency it adds, in front of 2 instant engines,
+    for requests like the manager's; for the router as we start it and for variants of its flags
+    and environment (``ROUTER_VARIANTS``). bench/NOTES.md "## rollout" reads these numbers.
 
     unshare -n bash -c 'ip link set lo up && exec python bench/rollout.py'
 """
@@ -170,7 +175,19 @@ async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, re
     await m.start()
     concurrency = settings.sampling.sglang_server_concurrency * engines
     params = sampling_params(settings)  # exactly what the manager sends
-    manager_s, direct_s, via_router_s, tokens = [], [], [], []
+    manager_s, direct_s, via_router_s, tokens, prompt_lens = [], [], [], [], []
+    # CPU seconds per path (where the time goes): the router, this process (the manager, or the bare
+    # client of the baselines), the engines
+    engine_pids = [e.process.pid for e in m.fleet.engines if e.process is not None]
+    cpu: dict[str, list[float]] = {f"{who}_{path}": [] for who in ("router", "self", "engines")
+                                   for path in ("manager", "direct", "via_router")}
+
+    def cpu_now() -> tuple[float, float, float]:
+        return m.router.cpu_seconds() or 0.0, time.process_time(), sum(_pid_cpu_s(p) for p in engine_pids)
+
+    def cpu_add(path: str, before: tuple[float, float, float]) -> None:
+        for who, b, a in zip(("router", "self", "engines"), before, cpu_now()):
+            cpu[f"{who}_{path}"].append(a - b)
     session = new_session()  # the baseline's connections are pooled and warm too
     clients = [EngineClient(u, timeout=600, session=session) for u in m.engine_urls]
     router = [EngineClient(m.router_url, timeout=600, session=session)]  # diagnostic: the router's share
@@ -183,16 +200,23 @@ async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, re
             m.data_source.load_state_dict(state)
 
             async def manager_step():
+                c = cpu_now()
                 groups, metrics = await m.generate(k)
+                cpu_add("manager", c)
                 assert sorted(g[0].tokens[:g[0].prompt_length] for g in groups) == sorted(prompts)  # same work
                 manager_s.append(metrics["rollout/time_s"])
                 tokens.append(metrics["rollout/response_len_mean"])
+                prompt_lens.extend(g[0].prompt_length for g in groups)
 
             async def direct():
+                c = cpu_now()
                 direct_s.append(await _direct(clients, prompts, n, params, concurrency))
+                cpu_add("direct", c)
 
             async def via_router():
+                c = cpu_now()
                 via_router_s.append(await _direct(router, prompts, n, params, concurrency))
+                cpu_add("via_router", c)
             order = [manager_step, direct, via_router]
             for run in order[k % 3:] + order[:k % 3]:  # rotate: no path always runs first
                 await run()
@@ -201,7 +225,114 @@ async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, re
         await m.shutdown()
     return {"manager_s": statistics.median(manager_s), "direct_s": statistics.median(direct_s),
             "direct_via_router_s": statistics.median(via_router_s),
-            "response_len_mean": statistics.mean(tokens), "requests": batch * n}
+            "response_len_mean": statistics.mean(tokens), "prompt_len_mean": statistics.mean(prompt_lens),
+            "requests": batch * n,
+            **{f"cpu_ms_{k}": 1e3 * statistics.median(v) for k, v in cpu.items()}}
+
+
+def _pid_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from /proc (0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_model(r: dict[str, float], cores: int) -> dict[str, float]:
+    """What the CPU the engines do not use costs, if the engines keep every core busy: each extra
+    second of CPU on the manager path (router + manager process) over the bare client's costs
+    1/cores seconds of batch time. Returns that extra CPU (ms) and the ratio it predicts."""
+    extra_ms = (r["cpu_ms_router_manager"] + r["cpu_ms_self_manager"]) - r["cpu_ms_self_direct"]
+    predicted = r["direct_s"] / (r["direct_s"] + extra_ms / 1e3 / cores)
+    return {"extra_cpu_ms": extra_ms, "predicted_ratio": predicted}
+
+
+# part (c): the router variants measured; each is (extra router flags, extra environment)
+ROUTER_VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "ours": ([], {}),  # rollout_manager/router.py as it is
+    "log_info": (["--log-level", "info"], {}),  # the router's own default log level
+    "tokio_1_thread": ([], {"TOKIO_WORKER_THREADS": "1"}),
+    "no_retries_no_cb": (["--disable-retries", "--disable-circuit-breaker"], {}),
+    "all_three_off": (["--disable-retries", "--disable-circuit-breaker"], {"TOKIO_WORKER_THREADS": "1"}),
+}
+
+
+async def _router_cost_once(router_url: str, engine_urls: list[str], ids: list[int], params: dict, total: int,
+                            inflight: int, cpu_s) -> dict[str, float]:
+    session = new_session()
+    via = EngineClient(router_url, timeout=60, session=session)
+    direct = [EngineClient(u, timeout=60, session=session) for u in engine_urls]
+    turn = iter(range(1 << 62))
+
+    async def send_via():
+        await via.generate(input_ids=ids, sampling_params=params)
+
+    async def send_direct():
+        await direct[next(turn) % len(direct)].generate(input_ids=ids, sampling_params=params)
+
+    async def latency(send, n: int) -> float:
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await send()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+    try:
+        await _drive(send_via, 200, inflight)  # warm-up: connections opened on both hops
+        await _drive(send_direct, 200, inflight)
+        c0 = cpu_s()
+        await _drive(send_via, total, inflight)
+        cpu_us = (cpu_s() - c0) / total * 1e6
+        lat_via, lat_direct = await latency(send_via, 300), await latency(send_direct, 300)
+    finally:
+        await session.close()
+    return {"cpu_us_per_request": cpu_us, "added_latency_ms": (lat_via - lat_direct) * 1e3,
+            "latency_direct_ms": lat_direct * 1e3}
+
+
+def part_c(model: Path, prompt_len: int, max_len: int, total: int, inflight: int, repeats: int
+           ) -> dict[str, dict[str, float]]:
+    """The router's cost per request, alone: its CPU time per request (from /proc) at ``inflight``
+    requests in flight, and the latency it adds to one request (median, one at a time), in front of
+    2 instant engines answering ``max_len`` tokens with log-probs (the answer size of part b), for
+    requests like the manager's (``prompt_len`` input ids, the manager's sampling params). The
+    variants run in turn, ``repeats`` rounds, so load changes on the box hit them alike."""
+    from rollout_manager.router import Router
+
+    ids = list(range(5, 5 + prompt_len))
+    params = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_len, "stop": [],
+              "stop_token_ids": [], "skip_special_tokens": False, "no_stop_trim": True}
+    procs, urls = [], []
+    for _ in range(2):
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port),
+                                       "--model-path", str(model), "--num-tokens", str(max_len)], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in ROUTER_VARIANTS}
+    try:
+        from rollout_manager.engine.launch import wait_healthy
+        for u in urls:
+            wait_healthy(u, 60, None)
+        for _ in range(repeats):
+            for name, (extra, env) in ROUTER_VARIANTS.items():
+                router = Router.start(policy="round_robin", health_check_interval=2.0, extra_args=extra, env=env,
+                                      log_path=Path(tempfile.mkdtemp(prefix="bench-router-")) / "router.log")
+                try:
+                    async def one():
+                        for u in urls:
+                            await router.add_worker(u)
+                        return await _router_cost_once(router.url, urls, ids, params, total, inflight,
+                                                       router.cpu_seconds)
+                    runs[name].append(asyncio.run(one()))
+                finally:
+                    router.stop()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
 
 
 def main() -> None:
@@ -214,6 +345,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-len", type=int, default=64)
+    ap.add_argument("--c-total", type=int, default=3000, help="(c) requests per router-cost measurement")
+    ap.add_argument("--c-repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rollout.json"))
     ap.add_argument("--serve-fast", type=int, default=None, help=argparse.SUPPRESS)  # internal: the ceiling server
     a = ap.parse_args()
@@ -228,8 +361,11 @@ def main() -> None:
     ra_engine = part_a(model, a.total, a.inflight, a.repeats, fast=False)
     rb = asyncio.run(part_b(model, a.engines, a.batch, a.n, a.max_len, a.b_repeats))
     rd = asyncio.run(part_b(model, a.engines, a.batch, a.n, a.max_len, a.b_repeats, dispatch="direct"))
+    rc = part_c(model, round(rb["prompt_len_mean"]), a.max_len, a.c_total, a.engines * 64, a.c_repeats)
     ratio = rb["direct_s"] / rb["manager_s"]
     ratio_d = rd["direct_s"] / rd["manager_s"]
+    cores = os.cpu_count() or 1
+    model_b, model_d = cpu_model(rb, cores), cpu_model(rd, cores)
     print(f"\n(a) client throughput, {a.inflight} in flight (median of {a.repeats})")
     print(f"{'client':<30}{'fast server':>12}{'instant engine':>16}   requests/s")
     for k, v in ra.items():
@@ -245,6 +381,22 @@ def main() -> None:
     print(f"\n(b') the same with --rollout-dispatch direct (the manager balances the engines itself)")
     print(f"{'direct':<16}{rd['direct_s']:>12.3f}\n{'manager':<16}{rd['manager_s']:>12.3f}")
     print(f"ratio direct/manager = {ratio_d:.3f} (target >= 0.95)")
+    req = rb["requests"]
+    print(f"\n(b) CPU per batch, ms (median): where the manager path's time goes")
+    print(f"{'path':<22}{'router':>10}{'this process':>14}{'engines':>10}")
+    for path, label in (("direct", "direct"), ("manager", "manager (router)"), ("via_router", "direct+router")):
+        print(f"{label:<22}{rb[f'cpu_ms_router_{path}']:>10.1f}{rb[f'cpu_ms_self_{path}']:>14.1f}"
+              f"{rb[f'cpu_ms_engines_{path}']:>10.1f}")
+    print(f"{'manager (direct disp.)':<22}{rd['cpu_ms_router_manager']:>10.1f}{rd['cpu_ms_self_manager']:>14.1f}"
+          f"{rd['cpu_ms_engines_manager']:>10.1f}")
+    print(f"router: {rb['cpu_ms_router_manager'] / req * 1e3:.0f} us CPU per request inside the manager step; extra "
+          f"CPU of the manager path over the bare client {model_b['extra_cpu_ms']:.1f} ms -> on {cores} busy cores "
+          f"predicts ratio {model_b['predicted_ratio']:.3f} (measured {ratio:.3f})")
+    print(f"\n(c) the router alone, 2 instant engines, {round(rb['prompt_len_mean'])} input ids, {a.max_len}-token "
+          f"answers, {a.engines * 64} in flight (median of {a.c_repeats})")
+    print(f"{'variant':<20}{'CPU us/request':>16}{'added latency ms':>18}")
+    for name, r in rc.items():
+        print(f"{name:<20}{r['cpu_us_per_request']:>16.0f}{r['added_latency_ms']:>18.3f}")
     result = {
         "name": "rollout", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {os.cpu_count()} cores {platform.processor() or platform.machine()}",
@@ -261,7 +413,15 @@ def main() -> None:
                     "b_dispatch_direct_manager_s": round(rd["manager_s"], 4),
                     "b_ratio_direct_dispatch": round(ratio_d, 4),
                     "load_avg_1min_before": round(load_before, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),
-                    "b_requests": rb["requests"], "b_response_len_mean": round(rb["response_len_mean"], 2)},
+                    "b_requests": rb["requests"], "b_response_len_mean": round(rb["response_len_mean"], 2),
+                    "b_prompt_len_mean": round(rb["prompt_len_mean"], 2),
+                    **{f"b_{k}": round(v, 1) for k, v in rb.items() if k.startswith("cpu_ms_")},
+                    **{f"b_dispatch_direct_{k}": round(v, 1) for k, v in rd.items() if k.startswith("cpu_ms_")},
+                    "b_router_cpu_us_per_request": round(rb["cpu_ms_router_manager"] / req * 1e3, 1),
+                    "b_extra_cpu_ms": round(model_b["extra_cpu_ms"], 1),
+                    "b_cpu_model_predicted_ratio": round(model_b["predicted_ratio"], 4),
+                    "b_dispatch_direct_extra_cpu_ms": round(model_d["extra_cpu_ms"], 1),
+                    **{f"c_{name}_{k}": round(v, 3) for name, r in rc.items() for k, v in r.items()}},
         "ratio": round(ratio, 4),
         "target": 0.95,
     }
