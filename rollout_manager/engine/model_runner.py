@@ -9,11 +9,14 @@ row's numbers: a row's log-probs equal a forward over that row alone (to float r
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from .kv_cache import BatchKVCache
 from .settings import EngineSettings
@@ -63,6 +66,7 @@ class ModelRunner:
         # transformers 5.24 renamed `past_key_values` to `cache` (older 5.x only know the former)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.packed = PackedLinears.for_model(self.model, self.device, self.dtype)
 
     def _eos_ids(self, model_path: str) -> frozenset[int]:
         ids: set[int] = set()
@@ -81,6 +85,10 @@ class ModelRunner:
         return dict(self.model.named_parameters(remove_duplicate=False))
 
     # --- forwards ---------------------------------------------------------------------------
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        """The engine's own kernels for the forward in this block (the model is plain HF outside)."""
+        return self.packed.active() if self.packed is not None else contextlib.nullcontext()
+
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Batch]:
         """Run the prompts (left-padded) in one forward. Returns (last logits [n, V], batch)."""
@@ -99,8 +107,9 @@ class ModelRunner:
         mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]  # [n, L, L]
         cache = BatchKVCache(self.num_layers)
         cache.begin(L, self.context_length)
-        out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: cache})
+        with self._kernels():
+            out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: cache})
         cache.commit()
         logits = out.logits[:, -1]  # [n, V]
         return logits, Batch(cache, valid, lens.clone(), ids[:, -1].clone())
@@ -111,8 +120,9 @@ class ModelRunner:
         B = batch.size
         batch.valid = torch.cat([batch.valid, torch.ones((B, 1), dtype=torch.bool, device=self.device)], 1)  # [B, T+1]
         batch.cache.begin(1, self.context_length + 16)
-        out = self.model(input_ids=batch.last_tok[:, None], attention_mask=batch.valid[:, None, None, :],
-                         position_ids=batch.next_pos[:, None], use_cache=True, **{self._cache_kw: batch.cache})
+        with self._kernels():
+            out = self.model(input_ids=batch.last_tok[:, None], attention_mask=batch.valid[:, None, None, :],
+                             position_ids=batch.next_pos[:, None], use_cache=True, **{self._cache_kw: batch.cache})
         batch.cache.commit()
         batch.next_pos += 1
         return out.logits[:, -1]  # [B, V]
@@ -138,6 +148,92 @@ class ModelRunner:
         cache = BatchKVCache.merge(running.cache, rows, trim, new.cache)
         return Batch(cache, valid, torch.cat([running.next_pos[rows], new.next_pos]),
                      torch.cat([running.last_tok[rows], new.last_tok]))
+
+
+class PackedLinears:
+    """oneDNN-prepacked weights for the model's larger ``nn.Linear`` layers (CPU, float32).
+
+    On CPU, transformers' linear layers call MKL's sgemm on the ``[out, in]`` weight as stored;
+    oneDNN's matmul on a weight reordered once into its blocked layout does the same product
+    20-60% faster for 8..512 rows (1 thread; bench/NOTES.md "engine"), and the linears are
+    ~85% of a decode step. Results differ from MKL's only by float32 round-off (~1e-6 relative).
+    Where it does not pay, the layer keeps ``F.linear``: small layers (a toy model's 64x256
+    matmuls: oneDNN's per-call overhead exceeds the product) and inputs of fewer than
+    ``MIN_ROWS`` rows (a memory-bound GEMV: no faster, measured a little slower end to end).
+    The packed copies cost as much memory as the packed layers' weights.
+
+    Each patched layer uses its packed weight only inside ``active()`` (the engine's forwards);
+    anything else calling the model gets transformers' own path. A packed weight is keyed on the
+    parameter's storage address and version counter: every weight update the engine makes
+    (``copy_``/``_foreach_copy_`` into the parameter, or a new ``.data``) changes the key, and the
+    layer repacks at its next forward. Only the layers that changed are repacked.
+    """
+
+    MIN_WEIGHT_ELEMENTS = 1 << 18  # in * out: 512 x 512 and up
+    MIN_ROWS = 4  # tokens in the forward
+    # batch-size hint for oneDNN's weight layout: a decode batch; measured within noise of the
+    # best hint for M = 1..512
+    BATCH_HINT = 64
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        self._layers = layers
+        # id(layer) -> (key, packed weight, the weight it was packed from). Holding that weight keeps
+        # its storage alive, so a weight given a new ``.data`` cannot land on the same address.
+        self._packed: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        self._on = False
+        for layer in layers:
+            layer.forward = self._forward_of(layer)  # instance attribute: nn.Module.__call__ uses it
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> "PackedLinears | None":
+        """Patch ``model``'s linear layers when oneDNN's packed matmul applies (CPU, float32)."""
+        if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return None
+        if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return None
+        layers = [m for m in model.modules()
+                  if type(m) is torch.nn.Linear and m.weight.numel() >= cls.MIN_WEIGHT_ELEMENTS]
+        if not layers:
+            return None
+        try:  # a torch build whose oneDNN lacks the op fails here, once, not in a request
+            probe = torch.nn.Linear(4, 3)
+            packed = torch.ops.mkldnn._reorder_linear_weight(probe.weight.detach(), cls.BATCH_HINT)
+            x = torch.randn(2, 4)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, probe.bias.detach(), "none", [], "")
+            if not torch.allclose(got, probe(x), atol=1e-5):
+                raise RuntimeError("packed linear disagrees with F.linear")
+        except (RuntimeError, NotImplementedError) as e:
+            log.warning("oneDNN packed linears unavailable (%s); using transformers' linears", e)
+            return None
+        self = cls(layers)
+        with torch.inference_mode():
+            for layer in layers:  # pack now, so that the first request does not pay for it
+                self._weight(layer)
+        return self
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def _weight(self, layer: torch.nn.Linear) -> torch.Tensor:
+        w = layer.weight
+        key = (w.data_ptr(), w._version, w.shape)
+        entry = self._packed.get(id(layer))
+        if entry is None or entry[0] != key:
+            entry = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.BATCH_HINT), w.detach())
+            self._packed[id(layer)] = entry
+        return entry[1]
+
+    def _forward_of(self, layer: torch.nn.Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not self._on or x.dtype != torch.float32 or x.numel() < self.MIN_ROWS * x.shape[-1]:
+                return F.linear(x, layer.weight, layer.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self._weight(layer), layer.bias, "none", [], "")
+        return forward
 
 
 def _first_used_column(valid: torch.Tensor) -> int:
