@@ -85,6 +85,24 @@ class BatchKVCache:
         return BatchKVCache(a.num_layers, keys, values, T)
 
 
+    @staticmethod
+    def stack(parts: list[tuple[torch.Tensor, "BatchKVCache"]], n: int) -> "BatchKVCache":
+        """One cache of ``n`` rows from caches of a split prefill: part ``(rows, cache)`` fills rows
+        ``rows`` (``[k]`` long), right-aligned to the longest. Pad columns are zero (finite: a
+        masked column must not carry NaN into the attention's weighted sum)."""
+        T = max(c.length for _, c in parts)
+        first = parts[0][1]
+        keys, values = [], []
+        for layer in range(len(first.keys)):
+            for src, out in ((lambda c: c.keys[layer], keys), (lambda c: c.values[layer], values)):
+                _, H, _, D = src(first).shape
+                buf = src(first).new_zeros((n, H, T + 16, D))
+                for rows, c in parts:
+                    buf[rows, :, T - c.length:T] = src(c)[:, :, :c.length]
+                out.append(buf)
+        return BatchKVCache(first.num_layers, keys, values, T)
+
+
 def _regrow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
     B, H, _, D = x.shape
     out = x.new_empty((B, H, cap, D))
