@@ -4,9 +4,15 @@ Log-probs follow SGLang's default: ``log_softmax(logits / temperature)`` over th
 vocabulary, before top-k/top-p/min-p filtering; greedy rows use temperature 1. The trainer
 must compute its log-probs the same way.
 
-Sampling draws one exponential variate per vocabulary entry per step and takes
-``argmax(p / E)`` (equivalent to drawing from ``p``). A request with a ``sampling_seed`` owns a
-``torch.Generator`` that only it advances, so its output does not depend on its batch mates.
+Sampling is by inverse CDF: one uniform variate per row and step, located in the row's
+cumulative sum of probabilities in two levels (float64 sums of blocks of the vocabulary, then a
+cumulative sum inside the one block it falls in). That reads the ``[B, V]`` probabilities once
+more after the exp and draws B random numbers, where an exponential race (``argmax(p / E)``)
+or ``torch.multinomial`` draws V per row: on CPU at B=64 and a 152k vocabulary, ~40 ms per
+step instead of ~320 ms. The log-prob of the chosen token is ``z[tok] - logsumexp(z)`` with the
+``logsumexp`` from the same pass, so no ``[B, V]`` log-softmax is materialised. A request with a
+``sampling_seed`` owns a ``torch.Generator`` that only it advances (one draw per step), so its
+output does not depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class RowParams:
     """Per-row sampling tensors for the running batch (rebuilt when rows join or leave)."""
 
     temps: torch.Tensor  # [B, 1] temperature (1 for greedy rows)
+    unit_temps: bool  # every row's temperature is 1 (no division)
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     top_k: torch.Tensor  # [B] long, vocab size where disabled
@@ -50,7 +57,8 @@ def build_row_params(params: list[SamplingParams], generators: list[torch.Genera
     seeded = [i for i, g in enumerate(generators) if g is not None and not greedy[i]]
     unseeded = torch.tensor([i for i, g in enumerate(generators) if g is None and not greedy[i]],
                             dtype=torch.long, device=device)  # [n]
-    return RowParams(temps, torch.tensor(greedy, device=device), all(greedy), top_k, top_p, min_p,
+    return RowParams(temps, bool((temps == 1.0).all()), torch.tensor(greedy, device=device), all(greedy), top_k,
+                     top_p, min_p,
                      need_filter, generators, seeded, unseeded)
 
 
@@ -67,31 +75,68 @@ def _filtered_probs(probs: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor,
     return sorted_p.masked_fill(drop, 0.0), idx
 
 
+def _uniforms(rows: RowParams, B: int, shared: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) float64 per row: the shared generator for unseeded rows, a row's own for seeded
+    rows (greedy rows get 0, unused)."""
+    if len(rows.unseeded) == B:  # the common case: one draw for the whole batch
+        return torch.rand(B, generator=shared, dtype=torch.float64, device=device)  # [B]
+    u = torch.zeros(B, dtype=torch.float64, device=device)  # [B]
+    if rows.unseeded.numel():
+        u[rows.unseeded] = torch.rand(rows.unseeded.numel(), generator=shared, dtype=torch.float64, device=device)
+    for i in rows.seeded:
+        u[i] = torch.rand(1, generator=rows.generators[i], dtype=torch.float64, device=device)[0]
+    return u
+
+
+_BLOCK = 1024  # vocabulary entries per block of the two-level inverse CDF
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds ``target`` ``[B, 1]``: index i with
+    probability ``w_i / mass`` for a uniform target in [0, mass), never a zero-weight entry. A
+    target rounding up to the mass would run past the end: the index is capped at the first
+    entry that reaches the row's full mass (a nonzero entry). Returns ``[B, 1]`` long."""
+    mass = cdf[:, -1:].contiguous()  # [B, 1]
+    choice = torch.searchsorted(cdf, target.contiguous(), right=True)  # [B, 1]
+    return torch.minimum(choice, torch.searchsorted(cdf, mass, right=False))  # [B, 1]
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index ``i`` of each row with probability ``weights[i] / weights.sum()`` (``weights [B, V]``
+    nonnegative, each row with some mass; ``u [B]`` float64 uniforms in [0, 1)). Returns ``[B]``."""
+    B, V = weights.shape
+    nb, tail = divmod(V, _BLOCK)
+    sums = [weights[:, :nb * _BLOCK].reshape(B, nb, _BLOCK).sum(-1, dtype=torch.float64)] if nb else []  # [B, nb]
+    if tail:
+        sums.append(weights[:, nb * _BLOCK:].sum(-1, keepdim=True, dtype=torch.float64))  # [B, 1]
+    block_cdf = torch.cat(sums, 1).cumsum(1) if len(sums) > 1 else sums[0].cumsum(1)  # [B, nblocks]
+    target = u[:, None] * block_cdf[:, -1:]  # [B, 1]
+    j = _first_above(block_cdf, target)  # [B, 1] the block holding the target
+    before = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp_min(0)), 0.0)  # [B, 1] mass before it
+    cols = j * _BLOCK + torch.arange(_BLOCK, device=weights.device)  # [B, BLOCK]
+    inside = weights.gather(1, cols.clamp_max(V - 1)).masked_fill(cols >= V, 0.0)  # [B, BLOCK]
+    k = _first_above(inside.cumsum(1, dtype=torch.float64), target - before)  # [B, 1]
+    return (j * _BLOCK + k).squeeze(1)  # [B]
+
+
 def sample(logits: torch.Tensor, rows: RowParams, shared: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens [B] long, logprobs [B] float32)."""
     logits = logits.float()  # [B, V]
-    logprobs = torch.log_softmax(logits / rows.temps, dim=-1)  # [B, V]
-    tokens = logits.argmax(dim=-1)  # [B]
+    B = logits.shape[0]
+    z = logits if rows.unit_temps else logits / rows.temps  # [B, V]
+    zmax = z.amax(dim=-1, keepdim=True)  # [B, 1]
+    e = (z - zmax).exp_()  # [B, V] unnormalised probabilities
+    total = e.sum(dim=-1, keepdim=True)  # [B, 1]
+    any_greedy = rows.unseeded.numel() + len(rows.seeded) < B
+    tokens = logits.argmax(dim=-1) if any_greedy else None  # [B]
     if not rows.all_greedy:
-        probs = logprobs.exp()  # [B, V]
-        idx = None
+        weights, idx = e, None
         if rows.need_filter:
-            probs, idx = _filtered_probs(probs, rows)
-        noise = torch.empty_like(probs)  # [B, V]
-        if len(rows.unseeded) == probs.shape[0]:  # the common case: one draw for the whole batch
-            noise.exponential_(generator=shared)
-        else:
-            if rows.unseeded.numel():
-                noise[rows.unseeded] = torch.empty((rows.unseeded.numel(), probs.shape[-1]), device=probs.device,
-                                                   dtype=probs.dtype).exponential_(generator=shared)
-            for i in rows.seeded:
-                noise[i].exponential_(generator=rows.generators[i])
-            # greedy rows get noise 1 (their draw is ignored below)
-            noise[rows.greedy] = 1.0
-        # E == 0 would make p / E undefined
-        choice = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # [B]
+            weights, idx = _filtered_probs(e / total, rows)  # sorted, filtered: zeros drop tokens
+        choice = _draw(weights, _uniforms(rows, B, shared, logits.device))  # [B]
         if idx is not None:
             choice = idx.gather(1, choice[:, None]).squeeze(1)  # [B] back to vocabulary ids
-        tokens = torch.where(rows.greedy, tokens, choice)  # [B]
-    lp = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [B]
+        tokens = torch.where(rows.greedy, tokens, choice) if any_greedy else choice  # [B]
+    lse = zmax.squeeze(1) + total.squeeze(1).log()  # [B] logsumexp(z)
+    lp = z.gather(1, tokens[:, None]).squeeze(1) - lse  # [B]
     return tokens, lp
