@@ -4,6 +4,7 @@ extremes of the uniform draw, and returns log-probs equal to a full log-softmax.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollout_manager.engine import sampling
@@ -13,9 +14,11 @@ from rollout_manager.engine.sampling import build_row_params, sample
 V = 2 * sampling._BLOCK + 452  # two full blocks and a tail
 
 
-def test_draw_frequencies_match_probabilities():
+@pytest.mark.parametrize("V", [V, 200])  # two levels; one level (a vocabulary within one block)
+def test_draw_frequencies_match_probabilities(V):
     logits = torch.full((V,), -30.0)  # [V] tokens with negligible mass
     hot = {3: 2.0, 1023: 1.0, 1024: 0.5, 1500: 1.5, V - 1: 0.0, 2100: -1.0}  # across blocks and the tail
+    hot = {t: v for t, v in hot.items() if t < V} | {V // 2: 0.7}
     for t, v in hot.items():
         logits[t] = v
     probs = torch.softmax(logits.double(), 0)  # [V]

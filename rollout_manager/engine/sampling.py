@@ -105,6 +105,9 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index ``i`` of each row with probability ``weights[i] / weights.sum()`` (``weights [B, V]``
     nonnegative, each row with some mass; ``u [B]`` float64 uniforms in [0, 1)). Returns ``[B]``."""
     B, V = weights.shape
+    if V <= _BLOCK:  # a small vocabulary: one level
+        cdf = weights.cumsum(1, dtype=torch.float64)  # [B, V]
+        return _first_above(cdf, u[:, None] * cdf[:, -1:]).squeeze(1)  # [B]
     nb, tail = divmod(V, _BLOCK)
     sums = [weights[:, :nb * _BLOCK].reshape(B, nb, _BLOCK).sum(-1, dtype=torch.float64)] if nb else []  # [B, nb]
     if tail:
