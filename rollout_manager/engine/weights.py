@@ -27,13 +27,14 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weight_sync.buckets import bucket_numel, parse_dtype, tensor_checksum
+from weight_sync.buckets import parse_dtype, tensor_checksum
 from weight_sync.process_group import WeightUpdateGroup, init_weight_update_group
 
 from .model_runner import ModelRunner
@@ -128,14 +129,15 @@ class WeightManager:
                                     "the broadcast was not drained")
         problem = self._check(names, tdtypes, tshapes)  # validated now, reported after draining
         dev = self.runner.device
-        rec["bytes"] = float(sum(bucket_numel([sh]) * dt.itemsize for sh, dt in zip(tshapes, tdtypes)))
+        numels = [math.prod(sh) for sh in tshapes]
+        rec["bytes"] = float(sum(n * dt.itemsize for n, dt in zip(numels, tdtypes)))
 
         def receive() -> list[torch.Tensor]:
             rec["recv_start"] = time.perf_counter()
             if flat:
-                buf = torch.empty(bucket_numel(tshapes), dtype=tdtypes[0], device=dev)  # [numel]
+                buf = torch.empty(sum(numels), dtype=tdtypes[0], device=dev)  # [numel]
                 g.group.broadcast(buf, src=0)
-                return buf.split([bucket_numel([sh]) for sh in tshapes])  # 1-D views, one per tensor
+                return buf.split(numels)  # 1-D views, one per tensor
             out = []
             for dt, sh in zip(tdtypes, tshapes):
                 t = torch.empty(sh, dtype=dt, device=dev)
