@@ -88,3 +88,18 @@ def reference_logprobs(model, prompt: list[int], response: list[int], temperatur
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # [R, V]
     lp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [R, V]
     return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
+
+
+def greedy_taker(seqs: list[list[int]], lps: list[list[float]]):
+    """``take(logits, batch, rows)`` for runner-level tests: feeds each row its greedy token and
+    appends the token to ``seqs[i]`` and its log-prob to ``lps[i]`` (``rows[j]`` = request of row j)."""
+    import torch
+
+    def take(logits, batch, rows) -> None:
+        tok = logits.argmax(-1)  # [B]
+        batch.last_tok = tok
+        for j, (i, t) in enumerate(zip(rows, tok.tolist())):
+            seqs[i].append(t)
+            lps[i].append(torch.log_softmax(logits[j], -1)[t].item())
+
+    return take

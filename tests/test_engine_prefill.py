@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fixtures_engine import engine_model, hf_model, reference_logprobs  # noqa: F401  (fixtures)
+from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs  # noqa: F401  (fixtures)
 from rollout_manager.engine.model_runner import ModelRunner
 from rollout_manager.engine.settings import EngineSettings
 
@@ -42,13 +42,7 @@ def test_split_prefill_then_decode_join_and_leave_stay_exact(runner, engine_mode
     prompts = [torch.randint(7, runner.vocab_size, (n,), generator=g).tolist() for n in (3, 12, 3, 7, 1)]
     assert len(runner.length_groups([len(p) for p in prompts])) == 4
     seqs, lps = [list(p) for p in prompts], [[] for _ in prompts]
-
-    def take(logits, batch, rows):
-        tok = logits.argmax(-1)  # [B]
-        batch.last_tok = tok
-        for j, (i, t) in enumerate(zip(rows, tok.tolist())):
-            seqs[i].append(t)
-            lps[i].append(torch.log_softmax(logits[j], -1)[t].item())
+    take = greedy_taker(seqs, lps)
 
     with torch.inference_mode():
         logits, batch = runner.prefill(prompts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fixtures_engine import engine_model, hf_model, reference_logprobs  # noqa: F401  (fixtures)
+from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs  # noqa: F401  (fixtures)
 from rollout_manager.engine.protocol import ProtocolError, SamplingParams, parse_generate
 from rollout_manager.engine.sampling import build_row_params, sample
 from rollout_manager.engine.settings import EngineSettings, parse_settings
@@ -102,13 +102,7 @@ def test_runner_join_and_leave_keep_rows_exact(engine_model):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(7, r.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 2)]
     seqs, lps = [list(p) for p in prompts], [[] for _ in prompts]
-
-    def take(logits, batch, rows):
-        tok = logits.argmax(-1)  # [B]
-        batch.last_tok = tok
-        for j, (i, t) in enumerate(zip(rows, tok.tolist())):
-            seqs[i].append(t)
-            lps[i].append(torch.log_softmax(logits[j], -1)[t].item())
+    take = greedy_taker(seqs, lps)
 
     logits, batch = r.prefill(prompts)
     rows = [0, 1, 2]
