@@ -69,6 +69,32 @@ class WeightManager:
         # processes of one host, so the trainer can line these up with its own timeline.
         self.trace: collections.deque[dict[str, float]] = collections.deque(maxlen=256)
         self._apply_error: str | None = None  # a bucket's copy failed since the last version switch
+        self._poll_until = 0.0  # busy-poll the HTTP loop until then (see generation_paused)
+        self._poll_task: asyncio.Task | None = None
+
+    # --- push window ------------------------------------------------------------------------
+    # While generation is paused and a CUDA weight-update group exists, a push is (likely) under
+    # way: its requests come back to back, each answered in well under a millisecond of work. An
+    # event loop asleep in epoll takes ~0.2-0.3 ms to wake on the GPU VMs (an idle vCPU's wake-up),
+    # once per request, which was a third of a push's overhead; so the loop busy-polls instead,
+    # for at most POLL_S after the pause or the last bucket (bounded if the continue never comes).
+    POLL_S = 1.0
+
+    def generation_paused(self, paused: bool) -> None:
+        """Called by /pause_generation (True) and /continue_generation (False)."""
+        if not paused or self.runner.device.type != "cuda" or not self.groups:
+            self._poll_until = 0.0
+            return
+        self._keep_polling()
+
+    def _keep_polling(self) -> None:
+        self._poll_until = time.monotonic() + self.POLL_S
+        if self._poll_task is None or self._poll_task.done():
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while time.monotonic() < self._poll_until:
+            await asyncio.sleep(0)  # a zero-timeout select per turn: the loop never sleeps in epoll
 
     # --- groups -----------------------------------------------------------------------------
     async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
