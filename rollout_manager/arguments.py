@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rollout_manager.settings import (ROUTER_POLICIES, DataSettings, EngineFleetSettings, PluginSettings,
+from rollout_manager.settings import (REQUEST_GRANULARITIES, ROUTER_POLICIES, DataSettings, EngineFleetSettings, PluginSettings,
                                       RolloutSettings, SamplingSettings)
 
 D, E, S, P = DataSettings, EngineFleetSettings, SamplingSettings, PluginSettings
@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-dispatch", choices=["router", "direct"], default=S.rollout_dispatch,
                    help="router: every request through sglang-router; direct: the manager sends each to the "
                         "least-loaded live engine (no router hop; retries go to another engine at once)")
+    g.add_argument("--rollout-request-granularity", choices=list(REQUEST_GRANULARITIES),
+                   default=S.rollout_request_granularity,
+                   help="group: the default rollout sends a prompt's unfinished samples as one batch /generate "
+                        "(n times fewer requests; samples whose sampling params differ go separately); sample: "
+                        "one request per sample. Custom generate functions are always called per sample")
     g.add_argument("--rollout-request-timeout", type=float, default=S.request_timeout)
     g.add_argument("--rollout-max-retries", type=int, default=S.max_request_retries)
     g.add_argument("--dynamic-sampling-max-dropped-ratio", type=float, default=S.max_dropped_ratio,
@@ -153,6 +158,9 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {vars(args)[flag]}")
     if not 0 < args.rollout_top_p <= 1:
         raise ValueError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+    if args.rollout_request_granularity not in REQUEST_GRANULARITIES:  # argparse checks the CLI; not other callers
+        raise ValueError(f"--rollout-request-granularity {args.rollout_request_granularity!r}: choose one of "
+                         f"{list(REQUEST_GRANULARITIES)}")
     if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
         raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     if (args.sglang_router_ip is None) != (args.sglang_router_port is None):

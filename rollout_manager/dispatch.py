@@ -2,7 +2,7 @@
 
 ``--rollout-dispatch router`` (the default, slime's way): every request goes to sglang-router,
 which balances the engines. ``--rollout-dispatch direct``: the manager itself sends each request
-to the live engine with the fewest requests in flight, skipping engines that just failed this
+to the live engine with the fewest samples in flight, skipping engines that just failed this
 sample; this saves the router hop (~0.2-0.7 ms of CPU per request, which is ~10% of the wall time
 of short generations on a small CPU box) and sends a retry to a different engine at once. The
 router still runs either way: custom generate functions and outside tools use it.
@@ -16,7 +16,7 @@ from rollout_manager.engine_client import EngineClient, new_session
 
 
 class Dispatcher:
-    """Picks the client for one request; counts requests in flight per engine (direct mode)."""
+    """Picks the client for one request; counts samples in flight per engine (direct mode)."""
 
     def __init__(self, router: EngineClient, live_urls: Callable[[], list[str]], direct: bool,
                  timeout: float | None):
@@ -39,11 +39,12 @@ class Dispatcher:
             client = self._clients[url] = EngineClient(url, timeout=self.timeout, session=self._session)
         return url, client
 
-    def started(self, url: str) -> None:
-        self.inflight[url] = self.inflight.get(url, 0) + 1
+    def started(self, url: str, samples: int = 1) -> None:
+        """A request of ``samples`` samples (a group request carries several) went to ``url``."""
+        self.inflight[url] = self.inflight.get(url, 0) + samples
 
-    def finished(self, url: str) -> None:
-        self.inflight[url] -= 1
+    def finished(self, url: str, samples: int = 1) -> None:
+        self.inflight[url] -= samples
 
     async def close(self) -> None:
         if self._session is not None:

@@ -86,6 +86,30 @@ class EngineClient:
             payload["rid"] = rid
         return await self.request("POST", "/generate", payload, timeout)
 
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | None = None,
+                             return_logprob: bool = True, rid: str | None = None,
+                             timeout: float | None = None) -> list[dict]:
+        """POST /generate in SGLang's batch form: several prompts, one shared ``sampling_params``.
+
+        Returns one response per prompt, in order. ``rid`` (one string) names the batch; the
+        engine gives element ``i`` the rid ``batch_rids(rid, n)[i]`` (``f"{rid}_{i}"``), which
+        ``abort_request`` takes to abort that element alone. The form is what sglang-router 0.3.2
+        forwards: it rejects (HTTP 422) a list of rids, sampling params or return_logprob flags
+        (tests/test_router_batch.py). Raises EngineError if the answer is not one dict per prompt.
+        """
+        if not input_ids:
+            raise ValueError("input_ids: an empty batch")
+        payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params or {},
+                                   "return_logprob": return_logprob}
+        if rid is not None:
+            payload["rid"] = rid
+        out = await self.request("POST", "/generate", payload, timeout)
+        if not isinstance(out, list) or len(out) != len(input_ids) or not all(isinstance(o, dict) for o in out):
+            got = f"a list of {len(out)}" if isinstance(out, list) else type(out).__name__
+            raise EngineError(self.base_url + "/generate", None,
+                              f"a batch of {len(input_ids)} prompts was answered with {got}, not one object each")
+        return out
+
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any:
         return await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
@@ -152,6 +176,15 @@ class EngineClient:
 
     async def server_info(self) -> dict:
         return await self.request("GET", "/server_info")
+
+
+def batch_rids(rid: str, n: int) -> list[str]:
+    """The per-element rids SGLang gives a batch ``/generate`` whose ``rid`` is one string.
+
+    SGLang aborts by rid *prefix*: on a real SGLang server, aborting ``f"{rid}_1"`` also aborts
+    ``f"{rid}_10"``... (the embedded and instant engines match exactly). The rollout only aborts
+    whole steps' requests, so this never hits an element that should keep running."""
+    return [f"{rid}_{i}" for i in range(n)]
 
 
 def new_session(limit: int = 0) -> aiohttp.ClientSession:

@@ -1,4 +1,6 @@
-"""The default per-sample generate (slime's ``async generate(args, sample, sampling_params)``).
+"""The default generate: per sample (slime's ``async generate(args, sample, sampling_params)``) and
+per group (``generate_group``: a prompt's samples in one batch ``/generate``, the default rollout's
+way unless ``--rollout-request-granularity sample``).
 
 Token in, token out: the sample's ``tokens`` (prompt, plus anything generated before a partial
 rollout was interrupted) go to ``/generate`` as ``input_ids``; the answer's ``output_ids`` and the
@@ -23,7 +25,7 @@ from typing import Any, Callable
 
 from buffer.sample import Sample, Status
 from rollout_manager.dispatch import Dispatcher
-from rollout_manager.engine_client import EngineClient, EngineError
+from rollout_manager.engine_client import EngineClient, EngineError, batch_rids
 from rollout_manager.rewards import Rewarder, mark_failed
 from rollout_manager.settings import RolloutSettings
 
@@ -50,6 +52,39 @@ class StepState:
     inflight: set[str] = field(default_factory=set)  # request ids, for targeted aborts
 
 
+class SampleSlots(asyncio.Semaphore):
+    """The in-flight limit, counted in samples: ``async with`` takes one slot (a per-sample
+    request); ``acquire_many(k)`` takes ``k`` at once for a group request of ``k`` samples.
+
+    Multi-slot takers queue on a lock, so two groups each holding part of what they need can
+    never wait on each other forever; ``k`` must not exceed ``capacity`` (callers split)."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.capacity = capacity
+        self._many = asyncio.Lock()
+
+    async def acquire_many(self, k: int) -> None:
+        if not 1 <= k <= self.capacity:
+            raise ValueError(f"cannot take {k} of {self.capacity} in-flight slots")
+        if k == 1:
+            await self.acquire()
+            return
+        got = 0
+        async with self._many:
+            try:
+                for _ in range(k):
+                    await self.acquire()
+                    got += 1
+            except BaseException:  # cancelled while waiting: give back what was taken
+                self.release_many(got)
+                raise
+
+    def release_many(self, k: int) -> None:
+        for _ in range(k):
+            self.release()
+
+
 @dataclass
 class RolloutContext:
     """What generate/rollout functions need from the manager (one per manager, on its loop)."""
@@ -59,7 +94,7 @@ class RolloutContext:
     client: EngineClient  # the router (custom generate functions use it)
     dispatcher: Dispatcher  # where the default generate sends each request (router or direct)
     engine_urls: Callable[[], list[str]]  # current engines, for aborts
-    semaphore: asyncio.Semaphore  # in-flight requests across engines
+    semaphore: SampleSlots  # in-flight samples across engines (a group request holds one slot per sample)
     rewarder: Rewarder
     generate_fn: Callable  # async generate(args, sample, sampling_params) -> Sample
     filter_fn: Callable | None  # filter(args, samples) -> bool
@@ -226,3 +261,156 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
             continue  # interrupted by a pause: resume from what we have once weights are updated
         sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
         return sample
+
+
+# --- group requests ------------------------------------------------------------------------------
+def request_params(sample: Sample, sampling_params: dict) -> dict:
+    """The sampling params of ``sample``'s next request: the shared ones with its remaining budget."""
+    return {**sampling_params, "max_new_tokens": sampling_params["max_new_tokens"] - sample.response_length}
+
+
+def split_requests(samples: list[Sample], sampling_params: dict, limit: int) -> list[tuple[dict, list[Sample]]]:
+    """Which samples can share one batch ``/generate``: ``[(params, samples)]``, in first-seen order.
+
+    A batch carries ONE ``sampling_params`` dict (the only form sglang-router 0.3.2 forwards), so
+    only samples whose next request has identical params share one: fresh samples of a group do;
+    partial-rollout resumes with different remaining budgets split by budget. A sample whose params
+    carry a ``sampling_seed`` always goes alone: the seed is meant for that one sample, and a shared
+    seed would draw the same tokens for every element of the batch. At most ``limit`` samples (the
+    in-flight limit) per request."""
+    out: list[tuple[dict, list[Sample]]] = []
+    by_key: dict[tuple, list[Sample]] = {}
+    for sample in samples:
+        p = request_params(sample, sampling_params)
+        if p.get("sampling_seed") is not None:
+            out.append((p, [sample]))  # never batched (see above)
+            continue
+        key = tuple(sorted((k, repr(v)) for k, v in p.items()))
+        batch = by_key.get(key)
+        if batch is None or len(batch) >= limit:
+            batch = by_key[key] = []
+            out.append((p, batch))
+        batch.append(sample)
+    return out
+
+
+@dataclass
+class _GroupRetry:
+    """Retry state shared by a group's requests (the per-sample path keeps the same per sample)."""
+
+    attempt: int = 0
+    avoid: set[str] = field(default_factory=set)  # engines that failed this group
+    idle_aborts: dict[int, int] = field(default_factory=dict)  # id(sample) -> aborts in a row with no tokens
+
+
+async def generate_group(args: argparse.Namespace, samples: list[Sample], sampling_params: dict) -> list[Sample]:
+    """Generate (or resume) ``samples`` (one group's unfinished ones) with batch requests.
+
+    The same contract as ``generate`` for each sample (statuses, segments, weight versions, aborts,
+    failures), with one request per set of samples that can share it (``split_requests``). A request
+    that fails on an engine is retried whole on another: no sample gets a segment twice or is lost.
+    Each element is aborted on its own by its rid (``batch_rids``), as partial rollout does."""
+    ctx = current_context()
+    retry = _GroupRetry()
+    todo = list(samples)
+    while todo:
+        for sample in [x for x in todo if request_params(x, sampling_params)["max_new_tokens"] <= 0]:
+            sample.status = Status.TRUNCATED
+            todo.remove(sample)
+        if not todo:
+            break
+        parts = split_requests(todo, sampling_params, ctx.semaphore.capacity)
+        rounds = await asyncio.gather(*(_group_request(ctx, batch, p, retry) for p, batch in parts))
+        todo = [x for r in rounds for x in r]
+    return samples
+
+
+async def _group_request(ctx: RolloutContext, batch: list[Sample], params: dict, retry: _GroupRetry) -> list[Sample]:
+    """One request for ``batch``; returns the samples that need another request (aborted midway,
+    or the request failed and is retried); the others end with a final status."""
+    step, s = current_step(), ctx.settings.sampling
+    k = len(batch)
+    if not ctx.running.is_set():  # paused for a weight update: wait, then continue
+        if step.stopping:
+            return _end(batch, Status.ABORTED)
+        await ctx.running.wait()
+    await ctx.semaphore.acquire_many(k)
+    try:
+        if step.stopping:
+            return _end(batch, Status.ABORTED)
+        if not ctx.running.is_set():
+            return batch
+        rid = uuid.uuid4().hex
+        rids = batch_rids(rid, k) if k > 1 else [rid]
+        step.inflight.update(rids)
+        step.stats.requests += 1
+        url, client = ctx.dispatcher.pick(retry.avoid)
+        ctx.dispatcher.started(url, k)
+        try:
+            if k > 1:
+                outs = await client.generate_batch([x.tokens for x in batch], sampling_params=params,
+                                                   return_logprob=True, rid=rid, timeout=s.request_timeout)
+            else:  # one sample: the plain form (no list to build or check)
+                outs = [await client.generate(input_ids=batch[0].tokens, sampling_params=params,
+                                              return_logprob=True, rid=rid, timeout=s.request_timeout)]
+        except EngineError as e:
+            outs = None
+            retry.avoid.add(url)
+            if e.status is not None and 400 <= e.status < 500:
+                log.warning("samples %s: engine rejected the request: %s", [x.index for x in batch], e)
+                for x in batch:  # our request is bad: retrying won't help
+                    mark_failed(x, f"engine: HTTP {e.status}")
+                return []
+            retry.attempt += 1
+            step.stats.retries += 1
+            if retry.attempt > s.max_request_retries:
+                for x in batch:
+                    mark_failed(x, "engine: unreachable")
+                return []
+        finally:
+            step.inflight.difference_update(rids)
+            ctx.dispatcher.finished(url, k)
+    finally:
+        ctx.semaphore.release_many(k)
+    if outs is None:  # back off outside the slots; the health monitor removes dead engines meanwhile
+        await asyncio.sleep(min(0.25 * 2 ** (retry.attempt - 1), 4.0))
+        return batch
+    again: list[Sample] = []
+    idle = 0
+    for sample, out in zip(batch, outs):
+        try:
+            new_tokens = append_segment(sample, out, s.mask_offpolicy_in_partial_rollout)
+            step.stats.generated_tokens += new_tokens
+        except (RuntimeError, KeyError, TypeError, ValueError) as e:  # a malformed element fails its sample only
+            mark_failed(sample, f"engine: {e}"[:80])
+            continue
+        finish = (out["meta_info"].get("finish_reason") or {}).get("type")
+        if finish != "abort":
+            sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
+            continue
+        step.stats.aborted_requests += 1  # counted per sample, as the per-sample path does
+        if not s.partial_rollout:
+            reset_sample(sample)  # without partial rollout, an interrupted response restarts
+        if step.stopping:
+            sample.status = Status.ABORTED
+            continue
+        if new_tokens:
+            retry.idle_aborts[id(sample)] = 0  # progress (e.g. weight_sync paused the engines mid-request)
+        elif ctx.running.is_set():
+            # nothing generated and not our pause: an engine-side pause while queued, or an engine that
+            # aborts this request every time; the second must not loop forever (as in generate)
+            n = retry.idle_aborts[id(sample)] = retry.idle_aborts.get(id(sample), 0) + 1
+            if n > MAX_IDLE_ABORTS:
+                mark_failed(sample, "engine: aborted")
+                continue
+            idle = max(idle, n)
+        again.append(sample)
+    if idle:
+        await asyncio.sleep(min(0.25 * 2 ** (idle - 1), 4.0))
+    return again
+
+
+def _end(batch: list[Sample], status: Status) -> list[Sample]:
+    for x in batch:
+        x.status = status
+    return []

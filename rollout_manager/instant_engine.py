@@ -42,11 +42,28 @@ class InstantEngine:
         return web.Response(body=orjson.dumps(obj), content_type="application/json")
 
     async def generate(self, request: web.Request) -> web.Response:
+        """One prompt, or SGLang's batch form (``input_ids`` list of lists, ``rid`` a string expanded
+        to ``f"{rid}_{i}"`` or a list, ``sampling_params``/``return_logprob`` shared or lists): a
+        batch answers a list in order, each element abortable by its own rid."""
         body = orjson.loads(await request.read())
-        sp = body.get("sampling_params") or {}
+        ids = body.get("input_ids")
+        if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+            return self._json(await self._one(body.get("rid"), ids or [], body.get("sampling_params") or {},
+                                              bool(body.get("return_logprob"))))
+        n, rid = len(ids), body.get("rid")
+        rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else None for i in range(n)]
+
+        def each(name: str) -> list:
+            v = body.get(name)
+            return v if isinstance(v, list) else [v] * n
+        outs = await asyncio.gather(*(self._one(r, x, sp or {}, bool(lp)) for r, x, sp, lp in
+                                      zip(rids, ids, each("sampling_params"), each("return_logprob"))))
+        return self._json(list(outs))
+
+    async def _one(self, rid: str | None, input_ids: list[int], sp: dict, return_logprob: bool) -> dict:
         full = len(self.output_ids) if self.output_ids is not None else self.num_tokens
         n = min(full, sp.get("max_new_tokens", full))
-        rid = body.get("rid") or f"r{self.count}"
+        rid = rid or f"r{self.count}"
         self.count += 1
         aborted = asyncio.Event()
         self.inflight[rid] = aborted
@@ -69,10 +86,10 @@ class InstantEngine:
             finish = {"type": "stop", "matched": self.token_id}
         ids = list(self.output_ids[:n]) if self.output_ids is not None else [self.token_id] * n
         n = len(ids)
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body.get("input_ids") or []),
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
                 "completion_tokens": n, "weight_version": self.weight_version,
-                "output_token_logprobs": [[-0.5, t, None] for t in ids] if body.get("return_logprob") else []}
-        return self._json({"text": "", "output_ids": ids, "meta_info": meta})
+                "output_token_logprobs": [[-0.5, t, None] for t in ids] if return_logprob else []}
+        return {"text": "", "output_ids": ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read() or b"{}")

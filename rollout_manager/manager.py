@@ -22,7 +22,8 @@ from rollout_manager.data_source import DataReport, DataSource, load_prompts
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engine_client import EngineClient
 from rollout_manager.engines import EngineFleet
-from rollout_manager.generate import RolloutContext, StepState, generate as default_generate, reset_sample, set_context
+from rollout_manager.generate import (RolloutContext, SampleSlots, StepState, generate as default_generate,
+                                      reset_sample, set_context)
 from rollout_manager.rewards import Rewarder
 from rollout_manager.rollout import abort_requests, generate_rollout as default_generate_rollout, run_rollout
 from rollout_manager.router import Router
@@ -95,7 +96,7 @@ class RolloutManager:
         self.ctx = RolloutContext(
             settings=self.settings, args=self.args, client=self._client, dispatcher=self._dispatcher,
             engine_urls=lambda: self.fleet.urls,
-            semaphore=asyncio.Semaphore(s.sglang_server_concurrency * len(self.fleet.engines)),
+            semaphore=SampleSlots(s.sglang_server_concurrency * len(self.fleet.engines)),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop())
         self.ctx.running.set()

@@ -6,7 +6,8 @@ evaluation=False) -> list[list[Sample]]`` (the manager calls plugins from a work
 
 One step keeps starting groups (``--over-sampling-batch-size`` prompts at a time) while the kept
 groups plus the groups in flight are fewer than ``--rollout-batch-size``; groups the filter
-rejects are dropped and counted. When enough groups are kept, the requests still running are
+rejects are dropped and counted. With the default generate, a group's unfinished samples go to the
+engines as one batch request (``--rollout-request-granularity group``; ``sample``: one each). When enough groups are kept, the requests still running are
 aborted and their groups go back to the data source: with ``--partial-rollout`` they resume later
 from the tokens generated so far, otherwise they restart from the prompt. No prompt is lost.
 """
@@ -21,8 +22,8 @@ from typing import Any, Callable
 
 from buffer.sample import Sample, Status, check_sample
 from rollout_manager.engine_client import EngineClient, EngineError, new_session
-from rollout_manager.generate import (RolloutContext, StepState, current_context, reset_sample, sampling_params,
-                                      set_context, set_step)
+from rollout_manager.generate import (RolloutContext, StepState, current_context, generate, generate_group,
+                                      reset_sample, sampling_params, set_context, set_step)
 from rollout_manager.rewards import mark_failed
 
 log = logging.getLogger(__name__)
@@ -37,23 +38,55 @@ async def _generate_one(ctx: RolloutContext, sample: Sample, params: dict) -> Sa
         if not isinstance(out, Sample):
             raise TypeError(f"generate function returned {type(out).__name__}, not a Sample")
         sample = out
-        if sample.status == Status.PENDING:
-            raise ValueError("generate function left the sample's status 'pending'")
-        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
-            check_sample(sample, f"sample {sample.index}") if sample.reward is not None else _check_shape(sample)
+        _check_generated(sample)
     except Exception as e:  # a custom generate's bug fails this sample only; logged and counted
-        log.warning("generate failed for sample %s: %s: %s", sample.index, type(e).__name__, e)
-        try:
-            _check_shape(sample)
-        except ValueError:  # left half-written: keep only the prompt (and the versions it saw)
-            versions = list(sample.weight_versions)
-            reset_sample(sample)
-            sample.weight_versions = versions
-        mark_failed(sample, f"generate: {type(e).__name__}")
+        _fail_generated(sample, e)
         return sample
+    await _score(ctx, sample)
+    return sample
+
+
+async def _generate_group(ctx: RolloutContext, group: list[Sample], params: dict) -> list[Sample]:
+    """The group's unfinished samples through ``generate_group`` (batch requests), then scored."""
+    todo = [x for x in group if x.status not in _DONE]
+    if todo:
+        try:
+            await generate_group(ctx.args, todo, dict(params))
+        except Exception as e:  # a bug here must not lose the group: its samples fail, counted
+            log.exception("group generate failed for samples %s", [x.index for x in todo])
+            for x in todo:
+                if x.status not in (*_DONE, Status.ABORTED):
+                    _fail_generated(x, e)
+        for x in todo:
+            try:
+                _check_generated(x)
+            except Exception as e:
+                _fail_generated(x, e)
+        await asyncio.gather(*(_score(ctx, x) for x in todo))
+    return group
+
+
+def _check_generated(sample: Sample) -> None:
+    if sample.status == Status.PENDING:
+        raise ValueError("generate function left the sample's status 'pending'")
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+        check_sample(sample, f"sample {sample.index}") if sample.reward is not None else _check_shape(sample)
+
+
+def _fail_generated(sample: Sample, e: Exception) -> None:
+    log.warning("generate failed for sample %s: %s: %s", sample.index, type(e).__name__, e)
+    try:
+        _check_shape(sample)
+    except ValueError:  # left half-written: keep only the prompt (and the versions it saw)
+        versions = list(sample.weight_versions)
+        reset_sample(sample)
+        sample.weight_versions = versions
+    mark_failed(sample, f"generate: {type(e).__name__}")
+
+
+async def _score(ctx: RolloutContext, sample: Sample) -> None:
     if sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.reward is None and not ctx.rewarder.group_rm:
         await ctx.rewarder.score(sample)
-    return sample
 
 
 def _check_shape(sample: Sample) -> None:
@@ -64,7 +97,10 @@ def _check_shape(sample: Sample) -> None:
 async def process_group(ctx: RolloutContext, group: list[Sample], params: dict,
                         evaluation: bool) -> tuple[list[Sample], bool]:
     """Generate and score one group; returns (group, keep). Unfinished groups are never kept."""
-    group = list(await asyncio.gather(*(_generate_one(ctx, s, params) for s in group)))
+    if ctx.generate_fn is generate and ctx.settings.sampling.rollout_request_granularity == "group":
+        group = await _generate_group(ctx, group, params)
+    else:  # per sample: --rollout-request-granularity sample, or a custom generate function
+        group = list(await asyncio.gather(*(_generate_one(ctx, s, params) for s in group)))
     if any(s.status not in _DONE for s in group):
         return group, False
     if ctx.rewarder.group_rm:

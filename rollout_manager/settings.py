@@ -53,6 +53,12 @@ class EngineFleetSettings:
     restart_dead_engines: bool = True
 
 
+# How the default rollout sends its requests (--rollout-request-granularity): "group" sends a
+# prompt's unfinished samples as one batch /generate (n times fewer requests through the router and
+# both HTTP stacks); "sample" sends each sample alone. Custom generate functions are per sample.
+REQUEST_GRANULARITIES = ("group", "sample")
+
+
 @dataclass
 class SamplingSettings:
     """Generation settings of training rollouts and of evaluation."""
@@ -69,6 +75,7 @@ class SamplingSettings:
     rollout_skip_special_tokens: bool = False
     sglang_server_concurrency: int = 512  # in-flight requests per engine
     rollout_dispatch: str = "router"  # "router" or "direct" (least-loaded engine, no router hop)
+    rollout_request_granularity: str = "group"  # REQUEST_GRANULARITIES
     request_timeout: float = 600.0  # seconds for one /generate call
     max_request_retries: int = 5  # retries of one request after engine errors
     max_dropped_ratio: float = 20.0  # a step fails after dropping this many x rollout_batch_size groups

@@ -17,11 +17,13 @@ from rollout_manager.engine_client import EngineClient
 INSTANT = ["--rollout-engine", "instant", "--rollout-num-engines", "2", "--health-check-interval", "0.5"]
 
 
-@pytest.mark.parametrize("dispatch", ["router", "direct"])
-def test_groups_token_in_token_out(toy_model_dir, dispatch):
+@pytest.mark.parametrize("dispatch,granularity", [("router", "group"), ("direct", "group"), ("router", "sample"),
+                                                  ("direct", "sample")])
+def test_groups_token_in_token_out(toy_model_dir, dispatch, granularity):
     async def go():
         argv = toy_argv(toy_model_dir, *INSTANT, "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
-                        "--rollout-max-response-len", "16", "--rollout-dispatch", dispatch)
+                        "--rollout-max-response-len", "16", "--rollout-dispatch", dispatch,
+                        "--rollout-request-granularity", granularity)
         async with running_manager(argv) as m:
             assert len(m.engine_urls) == 2
             groups, metrics = await m.generate(0)
@@ -40,7 +42,8 @@ def test_groups_token_in_token_out(toy_model_dir, dispatch):
             assert s.weight_versions == [0] and s.status == Status.COMPLETED and s.reward == 0.0
     assert len({s.index for g in groups for s in g}) == 32
     assert metrics["rollout/num_samples"] == 32 and metrics["rollout/response_len_mean"] == 4
-    assert metrics["rollout/requests"] == 32 and metrics["rollout/retries"] == 0
+    # one request per group (its 4 samples in one batch /generate), or one per sample
+    assert metrics["rollout/requests"] == (8 if granularity == "group" else 32) and metrics["rollout/retries"] == 0
     assert metrics["rollout/truncated_frac"] == 0 and metrics["rollout/reward_mean"] == 0
 
 

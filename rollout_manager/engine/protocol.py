@@ -5,6 +5,12 @@ Every problem raises ``ProtocolError`` naming the offending field; the server tu
 HTTP 400 and keeps serving. Fields SGLang accepts but this engine does not implement are accepted
 only at their neutral value (e.g. ``repetition_penalty: 1.0``), so a client never silently gets
 behaviour it did not ask for.
+
+SGLang's batch form of ``/generate`` is accepted too (``parse_generate_request``): ``input_ids`` as a
+list of lists or ``text`` as a list; ``rid`` absent, one string (element ``i`` gets
+``f"{rid}_{i}"``, as SGLang's ``GenerateReqInput`` expands it) or a list; ``sampling_params`` one
+dict (shared) or a list; ``return_logprob`` a bool or a list. Each element becomes an ordinary
+request; errors name the element (``input_ids[2]: ...``, ``sampling_params[1].top_p: ...``).
 """
 
 from __future__ import annotations
@@ -163,27 +169,43 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         no_stop_trim=_flag(sp, "no_stop_trim", False, p), sampling_seed=seed)
 
 
-def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
-    """Validate a ``/generate`` JSON body (ProtocolError names the offending field)."""
+_KNOWN_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
+
+
+def _check_top_fields(body: Any) -> None:
     if not isinstance(body, dict):
         raise ProtocolError("body", "expected a JSON object")
-    known = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
     for k in body:
-        if k in known or k in _IGNORED_TOP:
+        if k in _KNOWN_TOP or k in _IGNORED_TOP:
             continue
         if k in _NEUTRAL_TOP:
             if body[k] not in (None, _NEUTRAL_TOP[k]):
                 raise ProtocolError(k, f"not supported by the embedded engine (only {_NEUTRAL_TOP[k]!r})")
             continue
         raise ProtocolError(k, "unknown field")
+
+
+def _is_batch_ids(ids: Any) -> bool:
+    # SGLang's rule: input_ids is one prompt when its first element is an int, else a batch
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def is_batch(body: Any) -> bool:
+    """Whether a ``/generate`` body uses SGLang's batch form (``text`` list or ``input_ids`` list of lists)."""
+    return isinstance(body, dict) and (isinstance(body.get("text"), list) or _is_batch_ids(body.get("input_ids")))
+
+
+def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
+    """Validate a single-prompt ``/generate`` JSON body (ProtocolError names the offending field)."""
+    _check_top_fields(body)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ProtocolError("text/input_ids", "give exactly one of text and input_ids")
     if text is not None and not isinstance(text, str):
-        raise ProtocolError("text", "expected a string (batched requests are not supported)")
+        raise ProtocolError("text", "expected a string (a batch goes through parse_generate_request)")
     if ids is not None:
-        if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            raise ProtocolError("input_ids", "batched requests are not supported: send one prompt per request")
+        if _is_batch_ids(ids):
+            raise ProtocolError("input_ids", "a batch (list of lists) goes through parse_generate_request")
         ids = _int_list(ids, "input_ids", vocab_size)
         if not ids:
             raise ProtocolError("input_ids", "must not be empty")
@@ -197,3 +219,83 @@ def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
         params=parse_sampling_params(body.get("sampling_params"), vocab_size),
         return_logprob=_flag(body, "return_logprob", False, ""),
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""))
+
+
+def _per_element(body: dict, name: str, n: int) -> list[Any]:
+    """A field that is either shared (one value, or absent) or a list of one value per element."""
+    v = body.get(name)
+    if isinstance(v, list):
+        if len(v) != n:
+            raise ProtocolError(name, f"a list of {len(v)} values for a batch of {n} prompts")
+        return v
+    return [v] * n
+
+
+def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInput], bool]:
+    """Validate a ``/generate`` body, single or batch: returns (elements, is_batch).
+
+    A batch answer is a JSON list with one result per element, in order. Nothing is started
+    unless every element is valid: the first bad one raises ProtocolError naming it.
+    """
+    if not is_batch(body):
+        return [parse_generate(body, vocab_size)], False
+    _check_top_fields(body)
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ProtocolError("text/input_ids", "give exactly one of text and input_ids")
+    name, prompts = ("text", text) if text is not None else ("input_ids", ids)
+    if not prompts:
+        raise ProtocolError(name, "an empty batch")
+    n = len(prompts)
+    rid = body.get("rid")
+    if rid is None:
+        rids = [f"{_RID_PREFIX}{next(_RID_COUNTER)}" for _ in range(n)]
+    elif isinstance(rid, str) and rid:
+        rids = [f"{rid}_{i}" for i in range(n)]  # SGLang's expansion: per-element aborts use these
+    elif isinstance(rid, list):
+        if len(rid) != n:
+            raise ProtocolError("rid", f"a list of {len(rid)} rids for a batch of {n} prompts")
+        rids = rid
+    else:
+        raise ProtocolError("rid", "expected a non-empty string or a list of them")
+    params = _per_element(body, "sampling_params", n)
+    logprob = _per_element(body, "return_logprob", n)
+    shared_sp = not isinstance(body.get("sampling_params"), list)
+    cache: dict[str, SamplingParams] = {}  # a shared dict is validated once
+    seen: set[str] = set()
+    out = []
+    for i in range(n):
+        p = prompts[i]
+        if name == "text":
+            if not isinstance(p, str):
+                raise ProtocolError(f"text[{i}]", "expected a string")
+        else:
+            p = _int_list(p, f"input_ids[{i}]", vocab_size)
+            if not p:
+                raise ProtocolError(f"input_ids[{i}]", "must not be empty")
+        r = rids[i]
+        if not isinstance(r, str) or not r:
+            raise ProtocolError(f"rid[{i}]", "expected a non-empty string")
+        if r in seen:
+            raise ProtocolError(f"rid[{i}]", f"{r!r} appears twice in the batch")
+        seen.add(r)
+        try:
+            if shared_sp:
+                sp = cache.get("") or cache.setdefault("", parse_sampling_params(params[i], vocab_size))
+            else:
+                sp = parse_sampling_params(params[i], vocab_size)
+        except ProtocolError as e:
+            if shared_sp:
+                raise
+            # name the element: sampling_params[1].top_p
+            field_name = e.field.replace("sampling_params", f"sampling_params[{i}]", 1)
+            raise ProtocolError(field_name, str(e)[len(e.field) + 2:]) from None
+        lp_name = "return_logprob" if not isinstance(body.get("return_logprob"), list) else f"return_logprob[{i}]"
+        lp = logprob[i]
+        if lp is not None and not isinstance(lp, bool):
+            raise ProtocolError(lp_name, f"expected a boolean, got {lp!r}")
+        out.append(GenerateInput(
+            rid=r, input_ids=p if name == "input_ids" else None, text=p if name == "text" else None,
+            params=sp, return_logprob=bool(lp),
+            return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, "")))
+    return out, True

@@ -18,7 +18,7 @@ from aiohttp import web
 from weight_sync.buckets import parse_dtype
 
 from .model_runner import ModelRunner
-from .protocol import GenerateInput, ProtocolError, parse_generate
+from .protocol import GenerateInput, ProtocolError, parse_generate_request
 from .scheduler import Request, Scheduler
 from .settings import EngineSettings
 from .weights import WeightManager, WeightUpdateError
@@ -100,39 +100,53 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
+        """``/generate``: one prompt, or SGLang's batch form (one scheduler request per element;
+        continuous batching treats them like separate requests). A batch answers a list, in order."""
         try:
-            gi = parse_generate(await self._body(request), self.runner.vocab_size)
-            ids = self._prompt_ids(gi)
+            elements, batch = parse_generate_request(await self._body(request), self.runner.vocab_size)
+            prompts = [self._prompt_ids(gi, i if batch else None) for i, gi in enumerate(elements)]
         except ProtocolError as e:
             return _bad(str(e))
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def on_finish(req: Request) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
-
-        req = Request(gi.rid, ids, gi.params, on_finish)
+        futs = [loop.create_future() for _ in elements]
+        reqs = [Request(gi.rid, ids, gi.params, _resolver(loop, fut)) for gi, ids, fut in zip(elements, prompts, futs)]
+        for i, req in enumerate(reqs):
+            try:
+                self.scheduler.submit(req)
+            except RuntimeError as e:  # rid already in flight, or shutting down: the whole request fails
+                for done in reqs[:i]:  # withdraw the elements queued so far (they never ran a step)
+                    self.scheduler.abort(done.rid, "batch rejected")
+                if i:
+                    await asyncio.gather(*futs[:i])
+                return _bad(f"rid[{i}]: {e}" if batch else f"rid: {e}")
         try:
-            self.scheduler.submit(req)
-        except RuntimeError as e:
-            return _bad(f"rid: {e}")
-        try:
-            await fut
-        except asyncio.CancelledError:  # the client went away: free its slot
-            self.scheduler.abort(gi.rid, "client disconnected")
+            if batch:
+                await asyncio.gather(*futs)
+            else:
+                await futs[0]
+        except asyncio.CancelledError:  # the client went away: free every element's slot
+            for req in reqs:
+                if req.finish_reason is None:
+                    self.scheduler.abort(req.rid, "client disconnected")
             raise
-        if req.error is not None:
-            return _bad(f"generation failed: {type(req.error).__name__}: {req.error}", 500)
-        return _json(self._response(gi, req))
+        for i, req in enumerate(reqs):
+            if req.error is not None:
+                where = f" (element {i})" if batch else ""
+                return _bad(f"generation failed{where}: {type(req.error).__name__}: {req.error}", 500)
+        if batch:
+            return _json([self._response(gi, req) for gi, req in zip(elements, reqs)])
+        return _json(self._response(elements[0], reqs[0]))
 
-    def _prompt_ids(self, gi: GenerateInput) -> list[int]:
-        field = "input_ids"
+    def _prompt_ids(self, gi: GenerateInput, index: int | None = None) -> list[int]:
+        """The prompt's token ids (``text`` tokenized); ``index``: its element in a batch, for errors."""
+        at = f"[{index}]" if index is not None else ""
+        field = "input_ids" + at
         ids = gi.input_ids
         if ids is None:
-            field = "text"
+            field = "text" + at
             ids = self.runner.tokenizer(gi.text)["input_ids"]
             if not ids:
-                raise ProtocolError("text", "tokenizes to no tokens")
+                raise ProtocolError(field, "tokenizes to no tokens")
         if len(ids) >= self.runner.context_length:
             raise ProtocolError(field, f"the prompt has {len(ids)} tokens; the context length is "
                                 f"{self.runner.context_length} (leave room for at least one new token)")
@@ -327,6 +341,13 @@ class Engine:
     async def resume_memory_occupation(self, b: dict) -> str:
         await self.weights.resume_memory(_tags(b))
         return "Succeeded to resume memory occupation."
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Request], None]:
+    """``Request.on_finish`` (called in the scheduler thread): resolve ``fut`` on the event loop."""
+    def on_finish(req: Request) -> None:
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+    return on_finish
 
 
 def _tags(b: dict) -> list[str]:
