@@ -112,11 +112,13 @@ def test_partial_rollout_across_weight_update(toy_model_dir):
             assert s.loss_mask == ([0] * 4 + [1] * 4 if mask else [1] * 8)
 
 
-@pytest.mark.parametrize("dispatch", ["router", "direct"])
-def test_engine_killed_mid_rollout_no_loss_no_duplicates(toy_model_dir, dispatch):
+@pytest.mark.parametrize("dispatch,granularity", [("router", "group"), ("direct", "group"), ("router", "sample")])
+def test_engine_killed_mid_rollout_no_loss_no_duplicates(toy_model_dir, dispatch, granularity):
+    """Group requests on the dead engine are retried whole on the other (per-sample ones alone)."""
     async def go():
         argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", "--delay 0.6", "--rollout-dispatch", dispatch,
-                        "--n-samples-per-prompt", "4", "--rollout-batch-size", "16")
+                        "--n-samples-per-prompt", "4", "--rollout-batch-size", "16",
+                        "--rollout-request-granularity", granularity)
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
             await wait_inflight(m, 64)  # about half of them on engine 0
