@@ -202,11 +202,9 @@ class Engine:
             return _bad(f"mode: {e}" if not isinstance(e, ProtocolError) else str(e))
         if not quiet:  # return only once the step in progress is over: no forward runs after this
             await asyncio.wrap_future(self.scheduler.run_command(lambda: None))
-        self.weights.generation_paused(True)
         return _json({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        self.weights.generation_paused(False)
         self.scheduler.resume()
         return _json({"success": True, "message": "Generation continued."})
 
