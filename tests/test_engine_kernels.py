@@ -2,7 +2,9 @@
 engine's forwards only, agree with transformers' to float round-off (prefill logits, decode
 log-probs), and follow every way the engine changes a weight (in-place copies, flat-view
 ``_foreach_copy_``, a new ``.data``). The toy model's layers are below the size that the engine
-packs, so these tests lower that threshold to reach the packed path."""
+packs, so these tests lower that threshold to reach the packed path. They run transformers'
+forward (``native_forward="off"``): the native forward packs its own weights
+(tests/test_engine_native.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def _pack_every_layer(monkeypatch):
 
 
 def _packed_runner(path) -> ModelRunner:
-    r = ModelRunner(EngineSettings(model_path=str(path)))
+    r = ModelRunner(EngineSettings(model_path=str(path), native_forward="off"))
     if r.packed is None:
         pytest.skip("this torch build has no oneDNN packed linear")
     return r
@@ -78,7 +80,7 @@ def test_packed_decode_logprobs_equal_full_forward(engine_model):
 
 def test_small_layers_and_tiny_inputs_keep_transformers_linear(engine_model, monkeypatch):
     monkeypatch.setattr(PackedLinears, "MIN_WEIGHT_ELEMENTS", 1 << 40)
-    assert ModelRunner(EngineSettings(model_path=str(engine_model))).packed is None
+    assert ModelRunner(EngineSettings(model_path=str(engine_model), native_forward="off")).packed is None
     monkeypatch.setattr(PackedLinears, "MIN_WEIGHT_ELEMENTS", 0)
     r = _packed_runner(engine_model)
     layer = r.model.get_output_embeddings()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import BatchKVCache
+from .native_forward import NativeForward, PackSpec
 from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,22 @@ class ModelRunner:
         # transformers 5.24 renamed `past_key_values` to `cache` (older 5.x only know the former)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.packed = PackedLinears.for_model(self.model, self.device, self.dtype)
+        # the engine's own forward for llama-family models (native_forward.py), else transformers';
+        # chosen once here. The oneDNN packing lives inside the native forward when it is used.
+        self.native: NativeForward | None = None
+        self.packed: PackedLinears | None = None
+        why = ("--native-forward off" if settings.native_forward == "off"
+               else NativeForward.unsupported(self.model, self.context_length))
+        if why is None:
+            pack = PackedLinears.spec() if PackedLinears.usable(self.device, self.dtype) else None
+            self.native = NativeForward(self.model, fuse=self.device.type == "cpu", pack=pack)
+            with torch.inference_mode():
+                self.native.prepare()  # fuse/pack now, so that the first request does not pay for it
+            log.info("forward: native (%s; fused q/k/v and gate/up: %s; oneDNN-packed weights: %s)",
+                     type(self.model).__name__, self.native.fused, pack is not None)
+        else:
+            self.packed = PackedLinears.for_model(self.model, self.device, self.dtype)
+            log.info("forward: transformers' modules (native forward not used: %s)", why)
         # a forward's fixed cost in prompt tokens (2 FLOPs per parameter and token); None (no split)
         # on an accelerator, where a forward costs its kernel launches more than its tokens
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -167,11 +183,14 @@ class ModelRunner:
         mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]  # [n, L, L]
         cache = BatchKVCache(self.num_layers)
         cache.begin(L, self.context_length)
-        with self._kernels():
-            out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **{self._cache_kw: cache})
+        if self.native is not None:
+            logits = self.native.forward(ids, pos, mask[:, None], cache, last_only=True)[:, -1]  # [n, V]
+        else:
+            with self._kernels():
+                out = self.model(input_ids=ids, attention_mask=mask[:, None], position_ids=pos, use_cache=True,
+                                 logits_to_keep=1, **{self._cache_kw: cache})
+            logits = out.logits[:, -1]  # [n, V]
         cache.commit()
-        logits = out.logits[:, -1]  # [n, V]
         return logits, Batch(cache, valid, lens.clone(), ids[:, -1].clone())
 
     @torch.inference_mode()
@@ -180,12 +199,17 @@ class ModelRunner:
         B = batch.size
         batch.valid = torch.cat([batch.valid, torch.ones((B, 1), dtype=torch.bool, device=self.device)], 1)  # [B, T+1]
         batch.cache.begin(1, self.context_length + 16)
-        with self._kernels():
-            out = self.model(input_ids=batch.last_tok[:, None], attention_mask=batch.valid[:, None, None, :],
-                             position_ids=batch.next_pos[:, None], use_cache=True, **{self._cache_kw: batch.cache})
+        ids, mask, pos = batch.last_tok[:, None], batch.valid[:, None, None, :], batch.next_pos[:, None]
+        if self.native is not None:
+            logits = self.native.forward(ids, pos, mask, batch.cache, last_only=True)[:, -1]  # [B, V]
+        else:
+            with self._kernels():
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 **{self._cache_kw: batch.cache})
+            logits = out.logits[:, -1]  # [B, V]
         batch.cache.commit()
         batch.next_pos += 1
-        return out.logits[:, -1]  # [B, V]
+        return logits
 
     # --- batch membership -------------------------------------------------------------------
     @staticmethod
@@ -245,16 +269,12 @@ class PackedLinears:
             layer.forward = self._forward_of(layer)  # instance attribute: nn.Module.__call__ uses it
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> "PackedLinears | None":
-        """Patch ``model``'s linear layers when oneDNN's packed matmul applies (CPU, float32)."""
+    def usable(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether oneDNN's packed matmul applies here (CPU, float32, and this torch build has it)."""
         if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-            return None
+            return False
         if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-            return None
-        layers = [m for m in model.modules()
-                  if type(m) is torch.nn.Linear and m.weight.numel() >= cls.MIN_WEIGHT_ELEMENTS]
-        if not layers:
-            return None
+            return False
         try:  # a torch build whose oneDNN lacks the op fails here, once, not in a request
             probe = torch.nn.Linear(4, 3)
             packed = torch.ops.mkldnn._reorder_linear_weight(probe.weight.detach(), cls.BATCH_HINT)
@@ -263,7 +283,21 @@ class PackedLinears:
             if not torch.allclose(got, probe(x), atol=1e-5):
                 raise RuntimeError("packed linear disagrees with F.linear")
         except (RuntimeError, NotImplementedError) as e:
-            log.warning("oneDNN packed linears unavailable (%s); using transformers' linears", e)
+            log.warning("oneDNN packed linears unavailable (%s); using plain linears", e)
+            return False
+        return True
+
+    @classmethod
+    def spec(cls) -> PackSpec:
+        """These thresholds, for the native forward's own packed weights."""
+        return PackSpec(cls.MIN_WEIGHT_ELEMENTS, cls.MIN_ROWS, cls.BATCH_HINT)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> "PackedLinears | None":
+        """Patch ``model``'s linear layers when oneDNN's packed matmul applies (CPU, float32)."""
+        layers = [m for m in model.modules()
+                  if type(m) is torch.nn.Linear and m.weight.numel() >= cls.MIN_WEIGHT_ELEMENTS]
+        if not layers or not cls.usable(device, dtype):
             return None
         self = cls(layers)
         with torch.inference_mode():

@@ -28,6 +28,7 @@ class EngineSettings:
     weight_version: str = "default"  # SGLang's initial weight version
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     served_model_name: str | None = None
+    native_forward: str = "auto"  # auto: the engine's own forward for llama-family models; off: transformers'
     weight_update_timeout_s: float = 600.0  # bound on joining / receiving a weight broadcast
     log_level: str = "info"
     extra: dict = field(default_factory=dict)  # free-form, reported in /server_info
@@ -42,6 +43,8 @@ class EngineSettings:
             raise ValueError(f"--dtype {self.dtype!r}: expected auto, float32, bfloat16 or float16")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:i]")
+        if self.native_forward not in ("auto", "off"):
+            raise ValueError(f"--native-forward {self.native_forward!r}: expected auto or off")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_prefill_tokens < 1:
@@ -82,6 +85,8 @@ _HELP = {
     "random_seed": "seed for requests without a sampling_seed",
     "weight_version": "initial weight version reported in meta_info",
     "num_threads": "torch intra-op threads",
+    "native_forward": "auto: the engine's own forward for Llama/Qwen2/Qwen3/Mistral (else transformers'); "
+                      "off: always transformers' modules",
 }
 
 
