@@ -304,7 +304,8 @@ def test_client_disconnect_aborts_a_running_request(engine_url):
         async with EngineClient(engine_url, timeout=30) as c:
             steps0, _ = await state(c)
             with pytest.raises(EngineError):  # the client gives up while the request decodes
-                await c.generate(input_ids=[5, 6], sampling_params=LONG, timeout=0.15)
+                # 0.05 s: a faster decode finishes the 240 tokens in ~0.15 s on the toy model
+                await c.generate(input_ids=[5, 6], sampling_params=LONG, timeout=0.05)
             deadline = time.monotonic() + 10
             while (await state(c))[1] != 0:
                 assert time.monotonic() < deadline, "the disconnected request kept running"
