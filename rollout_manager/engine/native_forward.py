@@ -152,6 +152,9 @@ class NativeForward:
     ``[B, q or 1, V]`` (float, the lm_head's dtype), writing this forward's K/V into ``cache``
     (between the runner's ``cache.begin`` and ``cache.commit``)."""
 
+    # decode attention on the CPU as matmul + softmax + matmul instead of SDPA (see forward)
+    MATMUL_DECODE_ATTENTION_ON_CPU = True
+
     def __init__(self, model: torch.nn.Module, fuse: bool, pack: PackSpec | None):
         cfg = model.config.get_text_config()
         self.model = model
@@ -170,6 +173,7 @@ class NativeForward:
         self.packed = pack is not None
         # one kernel per norm on an accelerator (launch-bound); HF's exact op sequence on the CPU
         self.norm = _rms_norm_hf if model.device.type == "cpu" else _rms_norm_fused
+        self.matmul_decode_attention = model.device.type == "cpu" and self.MATMUL_DECODE_ATTENTION_ON_CPU
 
     @staticmethod
     def unsupported(model: torch.nn.Module, context_length: int) -> str | None:
@@ -218,6 +222,11 @@ class NativeForward:
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2] (the sign moved onto sin: exact)
         sin = torch.cat([-sin[..., : D // 2], sin[..., D // 2:]], -1)[:, :, None]  # [B, q, 1, D]
         rep = H // Hkv
+        # CPU decode: attention as two batched matmuls around an additive mask built once per
+        # forward; for one query row per KV head group this beats SDPA's flash kernel (bench/NOTES.md)
+        bias = None
+        if q == 1 and self.matmul_decode_attention:
+            bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         for i, L in enumerate(self.layers):
             x = norm(h, L.ln1.weight, L.eps1)
             qkv = L.qkv(x).view(B, q, H + 2 * Hkv, D)  # [B, q, H + 2 Hkv, D]
@@ -233,8 +242,12 @@ class NativeForward:
             vh = qkv[:, :, H + Hkv:]  # [B, q, Hkv, D]
             k_all, v_all = cache.update(kh.transpose(1, 2), vh.transpose(1, 2), i)  # [B, Hkv, T, D]
             if q == 1:  # decode: the rep query heads of a KV head as a length-rep query (no K/V copy)
-                o = F.scaled_dot_product_attention(qh.reshape(B, Hkv, rep, D), k_all, v_all, attn_mask=mask,
-                                                   scale=L.scaling)  # [B, Hkv, rep, D]
+                qg = qh.reshape(B, Hkv, rep, D)
+                if bias is not None:
+                    w = torch.add(bias, torch.matmul(qg, k_all.transpose(-1, -2)), alpha=L.scaling)  # [B, Hkv, rep, T]
+                    o = torch.matmul(w.softmax(-1), v_all)  # [B, Hkv, rep, D]
+                else:
+                    o = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=mask, scale=L.scaling)
                 o = o.reshape(B, 1, H * D)
             else:
                 o = F.scaled_dot_product_attention(qh.transpose(1, 2), k_all, v_all, attn_mask=mask,
