@@ -114,6 +114,18 @@ def test_native_forward_equals_transformers(models, name, monkeypatch):
     _run_scenario(r, hf_model(models[name]))
 
 
+@pytest.mark.parametrize("name", ["llama_yarn_bias", "qwen2_bias_tied", "qwen3_qk_norm_head_dim"])
+def test_accelerator_kernel_choices_equal_transformers(models, name):
+    """The accelerator's code path (separate projections, one-kernel norms, SDPA decode with
+    K/V repeated in prefill), run on the CPU: same numbers."""
+    from rollout_manager.engine.native_forward import NativeForward
+
+    r = _runner(models[name])
+    r.native = NativeForward(r.model, None, accelerator=True)
+    assert not r.native.fused and r.native.repeat_kv_prefill and not r.native.matmul_decode_attention
+    _run_scenario(r, hf_model(models[name]))
+
+
 def test_native_forward_with_packed_weights_equals_transformers(models, monkeypatch):
     monkeypatch.setattr(PackedLinears, "MIN_WEIGHT_ELEMENTS", 0)  # pack every (fused) weight of the tiny model
     r = _runner(models["qwen2_bias_tied"])

@@ -94,6 +94,12 @@ class _Linear:
             hint = self.pack.batch_hint
             self.packed = _Derived(weights, lambda ts: torch.ops.mkldnn._reorder_linear_weight(cat(ts), hint))
 
+    def each(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output separately (views of one product when fused)."""
+        if self.fused or len(self.layers) == 1:
+            return list(self(x).split([m.out_features for m in self.layers], -1))
+        return [F.linear(x, m.weight, m.bias) for m in self.layers]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.numel() >= self.pack.min_rows * x.shape[-1]:  # type: ignore[union-attr]
             bias = self.b.get() if self.b is not None else (self.layers[0].bias if self.has_bias else None)
@@ -129,13 +135,18 @@ class _Layer:
         self.o = _Linear([attn.o_proj], fuse, pack)
         self.gate_up = _Linear([mlp.gate_proj, mlp.up_proj], fuse, pack)
         self.down = _Linear([mlp.down_proj], fuse, pack)
-        self.inter = mlp.gate_proj.out_features
         self.act: Callable = F.silu if isinstance(mlp.act_fn, torch.nn.SiLU) else mlp.act_fn
         self.q_norm = attn.q_norm if qk_norm else None
         self.k_norm = attn.k_norm if qk_norm else None
         self.q_eps = _eps(attn.q_norm) if qk_norm else 0.0
         self.k_eps = _eps(attn.k_norm) if qk_norm else 0.0
         self.scaling = float(attn.scaling)
+
+
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``[B, Hkv, T, D]`` -> ``[B, Hkv * rep, T, D]``, each KV head repeated for its query heads."""
+    B, Hkv, T, D = x.shape
+    return x[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hkv * rep, T, D)
 
 
 def _eps(norm: torch.nn.Module) -> float:
@@ -155,8 +166,14 @@ class NativeForward:
     # decode attention on the CPU as matmul + softmax + matmul instead of SDPA (see forward)
     MATMUL_DECODE_ATTENTION_ON_CPU = True
 
-    def __init__(self, model: torch.nn.Module, fuse: bool, pack: PackSpec | None):
+    def __init__(self, model: torch.nn.Module, pack: PackSpec | None, accelerator: bool | None = None):
+        """``pack``: oneDNN packing thresholds (CPU float32) or None. ``accelerator`` (default: the
+        model is not on the CPU) picks the kernels: on the CPU fused q/k/v and gate/up weights,
+        HF's op-for-op RMSNorm, matmul decode attention; on an accelerator separate projections
+        (no weight copies), one-kernel norms, SDPA with K/V repeated for GQA under a mask."""
         cfg = model.config.get_text_config()
+        accel = model.device.type != "cpu" if accelerator is None else accelerator
+        fuse = not accel
         self.model = model
         base = model.model
         self.embed = base.embed_tokens
@@ -172,8 +189,10 @@ class NativeForward:
         self.fused = fuse
         self.packed = pack is not None
         # one kernel per norm on an accelerator (launch-bound); HF's exact op sequence on the CPU
-        self.norm = _rms_norm_hf if model.device.type == "cpu" else _rms_norm_fused
-        self.matmul_decode_attention = model.device.type == "cpu" and self.MATMUL_DECODE_ATTENTION_ON_CPU
+        self.norm = _rms_norm_fused if accel else _rms_norm_hf
+        self.matmul_decode_attention = not accel and self.MATMUL_DECODE_ATTENTION_ON_CPU
+        # CUDA's fused SDPA kernels take no grouped K/V together with a mask (math fallback)
+        self.repeat_kv_prefill = accel
 
     @staticmethod
     def unsupported(model: torch.nn.Module, context_length: int) -> str | None:
@@ -250,13 +269,15 @@ class NativeForward:
                     o = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=mask, scale=L.scaling)
                 o = o.reshape(B, 1, H * D)
             else:
+                if rep > 1 and self.repeat_kv_prefill:
+                    k_all, v_all = _repeat_kv(k_all, rep), _repeat_kv(v_all, rep)  # [B, H, T, D]
                 o = F.scaled_dot_product_attention(qh.transpose(1, 2), k_all, v_all, attn_mask=mask,
-                                                   scale=L.scaling, enable_gqa=rep > 1)  # [B, H, q, D]
+                                                   scale=L.scaling, enable_gqa=k_all.shape[1] != H)  # [B, H, q, D]
                 o = o.transpose(1, 2).reshape(B, q, H * D)
             h = h + L.o(o)
             x = norm(h, L.ln2.weight, L.eps2)
-            gu = L.gate_up(x)  # [B, q, 2 I]
-            h = h + L.down(L.act(gu[..., : L.inter]) * gu[..., L.inter:])
+            gate, up = L.gate_up.each(x)  # [B, q, I] each
+            h = h + L.down(L.act(gate) * up)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(norm(h, self.final_norm.weight, self.final_eps))  # [B, q', V]
