@@ -34,9 +34,9 @@ from rollout_manager.settings import RolloutSettings
 class RolloutStats:
     """Counters of one rollout step (or evaluation)."""
 
-    requests: int = 0
-    retries: int = 0
-    aborted_requests: int = 0
+    requests: int = 0  # /generate calls (a group request counts once)
+    retries: int = 0  # /generate calls retried after an engine error
+    aborted_requests: int = 0  # samples whose segment came back aborted (per sample in both granularities)
     generated_tokens: int = 0
     dropped_groups: int = 0  # removed by the dynamic sampling filter
     returned_groups: int = 0  # given back to the data source unfinished

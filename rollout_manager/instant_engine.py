@@ -6,9 +6,10 @@ tell it from an engine. ``bench/rollout.py`` uses it to measure client throughpu
 tests use it to exercise routing, retries and aborts at full speed. It is not a model: each
 ``/generate`` returns ``--num-tokens`` copies of ``--token-id`` (fewer if ``max_new_tokens`` is
 smaller) after ``--delay`` seconds (plus up to ``--delay-jitter``), with log-prob -0.5 per token.
-An aborted request returns half of its tokens with finish reason ``abort`` (as if interrupted
-midway), so partial rollouts can be exercised; ``/update_weights_from_disk`` only sets the
-reported ``weight_version``.
+SGLang's batch form (``input_ids`` a list of lists) answers a list, each element abortable by
+its own rid (``f"{rid}_{i}"``). An aborted request returns half of its tokens with finish reason
+``abort`` (as if interrupted midway), so partial rollouts can be exercised;
+``/update_weights_from_disk`` only sets the reported ``weight_version``.
 
     python -m rollout_manager.instant_engine --port 30001 --model-path DIR [--delay 0.01]
 """
