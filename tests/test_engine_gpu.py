@@ -1,6 +1,7 @@
 """The embedded engine on CUDA (run on the GPU machine): the same runner/scheduler code with
 ``--device cuda``; fp32 greedy equals transformers' generate, log-probs equal a full forward,
-seeded sampling does not depend on batch mates, bf16 runs; throughput vs generate at 64.
+seeded sampling does not depend on batch mates, bf16 runs; the native forward equals the runner
+on transformers' modules (fp32 and bf16) and prints both decode step times.
 
     pytest -m gpu tests/test_engine_gpu.py      (or: python tests/test_engine_gpu.py)
 """
@@ -50,6 +51,7 @@ def test_cuda_fp32_matches_transformers_and_full_forward(engine_model):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     runner, sched = _scheduler(engine_model, "float32")
+    assert runner.native is not None  # the toy llama runs the engine's native forward
     try:
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(7, 90, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (6,), generator=g)]
@@ -87,6 +89,54 @@ def test_cuda_bf16_generates(engine_model):
         sched.stop()
 
 
+def _decode_steps(runner, prompts, steps: int) -> tuple[list[torch.Tensor], float]:
+    """Prefill + greedy decode; returns (logits of each step [B, V] on the CPU, ms per decode step)."""
+    out = []
+    with torch.inference_mode():
+        logits, batch = runner.prefill(prompts)
+        out.append(logits.float().cpu())
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            batch.last_tok = logits.argmax(-1)
+            logits = runner.decode(batch)
+            out.append(logits.float().cpu())
+        torch.cuda.synchronize()
+    return out, (time.perf_counter() - t) / steps * 1e3
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen2_bias_tied", "qwen3_qk_norm_head_dim"])
+def test_cuda_native_forward_equals_transformers_path(engine_model, tmp_path, name):
+    """The native forward on CUDA against the same runner on transformers' modules: fp32 (no
+    TF32) to 1e-4 through prefill and decode; bf16 close (log-probs within 0.1); step times."""
+    from rollout_manager.engine.model_runner import ModelRunner
+    from rollout_manager.engine.settings import EngineSettings
+    from test_engine_native import _build
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    path = _build(name, tmp_path, engine_model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(7, 95, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (64,), generator=g)]
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.1)):
+        runs = {}
+        for mode in ("auto", "off"):
+            r = ModelRunner(EngineSettings(model_path=str(path), device="cuda", dtype=dtype, native_forward=mode))
+            assert (r.native is not None) == (mode == "auto")
+            _decode_steps(r, prompts, 3)  # warm-up
+            runs[mode] = _decode_steps(r, prompts, 8)
+        (nat, ms_nat), (hf, ms_hf) = runs["auto"], runs["off"]
+        print(f"{name} {dtype}: decode step at 64 rows {ms_nat:.2f} ms native vs {ms_hf:.2f} ms transformers")
+        # greedy paths may split where two logits tie within round-off: compare until the first split
+        for a, b in zip(nat, hf):
+            diff = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().max().item()
+            assert diff <= tol, (dtype, diff)
+            if not torch.equal(a.argmax(-1), b.argmax(-1)):
+                break
+
+
 if __name__ == "__main__":
     import sys
     import tempfile
@@ -98,4 +148,8 @@ if __name__ == "__main__":
         t0 = time.time()
         t(path)
         print(f"PASS {t.__name__} ({time.time() - t0:.1f}s)")
+    for name in ("llama_gqa_untied", "qwen2_bias_tied", "qwen3_qk_norm_head_dim"):
+        t0 = time.time()
+        test_cuda_native_forward_equals_transformers_path(path, Path(tempfile.mkdtemp()), name)
+        print(f"PASS test_cuda_native_forward_equals_transformers_path[{name}] ({time.time() - t0:.1f}s)")
     sys.exit(0)
