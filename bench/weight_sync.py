@@ -206,7 +206,7 @@ def _timeline(sender_trace: list, port: int) -> list[str]:
     events = [(t, f"trainer {name}" + (f" {i}" if i >= 0 else "")) for name, i, t in sender_trace]
     engine = [e for e in engine if e["handler"] >= t0][-len({i for _, i, _ in sender_trace if i >= 0}):]
     for i, e in enumerate(engine):
-        for key in ("handler", "recv_queued", "applied"):
+        for key in ("handler", "recv_start", "recv_queued", "applied"):
             if key in e:
                 events.append((e[key], f"engine  {key} {i} ({e['bytes'] / 2**20:.0f} MiB)" if key == "handler"
                                else f"engine  {key} {i}"))

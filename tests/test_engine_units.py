@@ -149,3 +149,33 @@ def test_flattened_bucket_roundtrip_and_checksums():
     bumped[0, 0] = torch.nextafter(bumped[0, 0], torch.tensor(10.0))
     assert tensor_checksum(bumped) != tensor_checksum(ts[0])
     assert tensor_checksum(ts[0], torch.bfloat16) == tensor_checksum(ts[0].bfloat16())
+
+
+def test_scheduler_runs_a_command_inline_only_when_paused_and_idle(engine_model):
+    """``run_now_if_paused`` (a weight push's copy on a GPU engine) runs in the caller's thread
+    only while generation is paused and nothing is queued; otherwise it keeps its place in line."""
+    import threading
+
+    from rollout_manager.engine.model_runner import ModelRunner
+    from rollout_manager.engine.scheduler import Scheduler
+
+    s = Scheduler(ModelRunner(EngineSettings(model_path=str(engine_model))), 4, 4096, 0, "0")
+    here = threading.current_thread()
+    try:
+        assert s.run_now_if_paused(threading.current_thread).result(5) is not here  # not paused
+        s.pause("in_place")
+        inline = s.run_now_if_paused(threading.current_thread)
+        assert inline.done() and inline.result() is here
+        gate, order = threading.Event(), []
+        s.run_command(lambda: (gate.wait(5), order.append(1)))
+        queued = s.run_now_if_paused(lambda: order.append(2))  # behind the pending command
+        assert not queued.done()
+        gate.set()
+        queued.result(5)
+        assert order == [1, 2]
+        with pytest.raises(ZeroDivisionError):
+            s.run_now_if_paused(lambda: 1 / 0).result(0)
+        s.resume()  # the scheduler thread still serves commands after inline ones
+        assert s.run_command(lambda: 7).result(5) == 7
+    finally:
+        s.stop()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -46,6 +48,7 @@ class Link:
     device: torch.device
     flattened: bool
     broken: bool = False  # rank 0's side was aborted after a failure
+    joined: bool = False  # a collective has run (NCCL builds its communicator at the first one)
     # rank 0's collectives of this group, issued in order from one thread
     worker: SerialThread = field(default_factory=lambda: SerialThread("weight-sync-broadcast"))
     # CPU only: two reused packing buffers (fresh multi-MB allocations come back from the OS as new
@@ -110,36 +113,60 @@ async def open_link(settings: WeightSyncSettings, members: list[tuple[str, int, 
 
 
 async def send_bucket(link: Link, bucket: Bucket, packed: list[torch.Tensor], settings: WeightSyncSettings,
-                      weight_version: str | None, flush_cache: bool) -> "torch.cuda.Event | None":
+                      weight_version: str | None, flush_cache: bool,
+                      after_issue: Callable[[], None] | None = None) -> "torch.cuda.Event | None":
     """POST the bucket's metadata to every member and broadcast ``packed`` from rank 0 meanwhile.
 
     gloo: returns when the bucket has arrived. nccl: returns once every engine has answered, i.e.
     has queued its receive on its GPU (its handler returns without waiting for the transfer, as
     SGLang's does); the transfer itself may still run, and the returned CUDA event marks its end
     on rank 0. Queued NCCL operations of one group run in queue order on both sides, so the
-    next bucket's POST can go out now: HTTP round trips overlap with transfers.
+    next bucket's POST can go out now: HTTP round trips overlap with transfers. ``after_issue()``
+    runs once the requests are out and the broadcast is issued, while the answers are awaited.
     """
     s = settings
     fmt = "flattened_bucket" if link.flattened else None
-    posts = [c.update_weights_from_distributed(**bucket.payload(), group_name=link.name,
-                                               weight_version=weight_version, flush_cache=flush_cache,
-                                               load_format=fmt, timeout=s.timeout_s)
-             for _, _, c in link.members]
-    bcast = link.worker.submit(_broadcast, link.group, packed, link.device)
+    posts = [asyncio.ensure_future(c.update_weights_from_distributed(
+        **bucket.payload(), group_name=link.name, weight_version=weight_version, flush_cache=flush_cache,
+        load_format=fmt, timeout=s.timeout_s)) for _, _, c in link.members]
+    if link.device.type == "cuda" and link.joined:
+        # NCCL only queues the broadcast on the GPU: issued on this loop (a hop to the worker
+        # thread costs a thread wake-up per bucket), once the requests are written (one turn of
+        # the loop), so that the engines start on them meanwhile.
+        await asyncio.sleep(0)
+        bcast = _now(_broadcast, link.group, packed, link.device)
+    else:  # gloo blocks until the bucket is across; NCCL's first collective builds the communicator
+        bcast = link.worker.submit(_broadcast, link.group, packed, link.device)
+    error = None
+    if after_issue is not None:
+        try:
+            after_issue()
+        except Exception as e:  # raised once this bucket's requests are settled
+            error = e
     outs = await _gather_bounded([asyncio.wait_for(bcast, s.timeout_s), *posts], s.timeout_s,
                                  on_failure=lambda: abort_link(link))
+    if error is not None:
+        raise error
     failed = _failures([TRAINER] + link.urls, outs, "update_weights_from_distributed")
     if failed:
         raise PushFailed(failed)
+    link.joined = True
     return outs[0]
 
 
 async def wait_transfer(link: Link, event: "torch.cuda.Event | None", timeout_s: float) -> None:
-    """Wait (bounded) until the transfer that ``event`` marks is done on rank 0; PushFailed if not."""
+    """Wait (bounded) until the transfer that ``event`` marks is done on rank 0; PushFailed if not.
+
+    Polls the event from the loop (a transfer takes a few ms; a thread to block in
+    ``synchronize`` would add its wake-up to each wait)."""
     if event is None:
         return
+    deadline = time.monotonic() + timeout_s
     try:
-        await asyncio.wait_for(link.worker.submit(event.synchronize), timeout_s)
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not done after {timeout_s} s")
+            await asyncio.sleep(0)
     except Exception as e:
         await abort_link(link)
         raise PushFailed({TRAINER: f"broadcast did not complete: {type(e).__name__}: {e}"}) from e
@@ -211,6 +238,16 @@ async def abort_link(link: Link) -> None:
         await asyncio.wait_for(in_thread(drop, ref), 10.0)
     except Exception as e:  # the group is dropped either way; say why tearing it down did not work
         logger.warning("aborting weight-update group %s on the trainer: %s: %s", link.name, type(e).__name__, e)
+
+
+def _now(fn, *args) -> "asyncio.Future":
+    """``fn(*args)`` called here, its result (or exception) as a done future."""
+    fut = asyncio.get_running_loop().create_future()
+    try:
+        fut.set_result(fn(*args))
+    except Exception as e:  # handed to the awaiting gather, which names the trainer
+        fut.set_exception(e)
+    return fut
 
 
 def _broadcast(group: WeightUpdateGroup, tensors: list[torch.Tensor], device: torch.device):

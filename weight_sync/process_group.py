@@ -30,12 +30,18 @@ class WeightUpdateGroup:
     world_size: int
     name: str
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Broadcast ``tensor`` in place from ``src`` and wait for completion."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Broadcast ``tensor`` in place from ``src`` and wait for completion (gloo: on the host;
+        nccl: the current CUDA stream, or ``stream``, waits for it)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        work = self.pg.broadcast([tensor], opts)
+        if stream is None:
+            work.wait()
+            return
+        with torch.cuda.stream(stream):
+            work.wait()
 
     def barrier(self) -> None:
         """A barrier that works on gloo and nccl alike (an all-reduce of one element)."""

@@ -229,21 +229,22 @@ class WeightSender:
                     link = await self._relink(members)
                 t_link = time.perf_counter()
                 first = None
-                if s.transport == "distributed":  # pack the first bucket while the engines pause
-                    first = asyncio.get_running_loop().run_in_executor(None, link.pack, named, buckets[0],
-                                                                       link.device)
+                if s.transport == "distributed":
+                    first = self._pack_first(link, named, buckets[0])
                 self._mark("pause")
                 await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
                 t_paused = time.perf_counter()
                 self._mark("paused")
+                resume = None if s.check_equal else members  # continue while the last transfers end
                 if s.transport == "distributed":
-                    bcast_s = await self._send_all(link, named, buckets, version, progress, first)
+                    bcast_s = await self._send_all(link, named, buckets, version, progress, first, resume)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
                 check_s = await check_equal(members, named, s.timeout_s) if s.check_equal else 0.0
                 t_checked = time.perf_counter()
-                self._mark("continue")
-                await call_all(members, lambda c: c.continue_generation(), "continue_generation")
+                if s.transport != "distributed" or resume is None:
+                    self._mark("continue")
+                    await call_all(members, lambda c: c.continue_generation(), "continue_generation")
                 t1 = time.perf_counter()
                 self._mark("continued")
             except PushFailed as err:
@@ -267,25 +268,52 @@ class WeightSender:
                            f"paused (their weights may be partly updated); engines: {self.engine_status()}") \
             from last_error
 
-    async def _send_all(self, link: Link, named, buckets, version: int, progress, first=None) -> float:
+    @staticmethod
+    def _pack_first(link: Link, named, bucket) -> "asyncio.Future":
+        """Start packing bucket 0: on a GPU right here (it only queues the copies, before the
+        engines pause, so generation loses nothing to it); on the CPU in a worker thread, while
+        the engines pause."""
+        loop = asyncio.get_running_loop()
+        if link.device.type == "cuda":
+            fut = loop.create_future()
+            fut.set_result(link.pack(named, bucket, link.device))
+            return fut
+        return loop.run_in_executor(None, link.pack, named, bucket, link.device)
+
+    async def _send_all(self, link: Link, named, buckets, version: int, progress, first=None,
+                        resume: list[EngineState] | None = None) -> float:
         """Send every bucket over ``link`` (``first``: bucket 0 already being packed); return the
-        seconds spent in transfers."""
+        seconds spent in transfers. ``resume``: engines to send ``/continue_generation`` as soon
+        as the last bucket is answered, while rank 0 waits for its transfers to end (an engine's
+        next forwards queue on its GPU behind the copies of the received weights, and an engine
+        answers the version's last bucket only once those copies are queued)."""
         s = self.settings
         dev = link.device
         loop = asyncio.get_running_loop()
-        flat_next = first if first is not None else loop.run_in_executor(None, link.pack, named, buckets[0], dev)
+        flat_next = first if first is not None else self._pack_first(link, named, buckets[0])
         t = time.perf_counter()
         inflight: deque = deque()  # CUDA events of queued transfers (nccl); bounds memory in flight
+        nxt: list = []
+
+        def pack_next(i: int) -> None:  # GPU: queued behind bucket i's broadcast, while its answers come
+            nxt.append(self._pack_first(link, named, buckets[i + 1]))
+
         for i, b in enumerate(buckets):
             packed = await flat_next
             self._mark("packed", i)
-            if i + 1 < len(buckets):  # pack the next bucket while this one travels
-                flat_next = loop.run_in_executor(None, link.pack, named, buckets[i + 1], dev)
+            after = None
+            if i + 1 < len(buckets):
+                if dev.type == "cuda":
+                    after = lambda i=i: pack_next(i)  # noqa: E731
+                else:  # pack the next bucket in a thread while this one travels
+                    flat_next = loop.run_in_executor(None, link.pack, named, buckets[i + 1], dev)
             last = i == len(buckets) - 1
             ev = await send_bucket(link, b, packed, s, weight_version=str(version) if last else None,
-                                   flush_cache=last)
+                                   flush_cache=last, after_issue=after)
             self._mark("answered", i)
             del packed
+            if nxt:
+                flat_next = nxt.pop()
             if ev is not None:
                 inflight.append((i, ev))
                 if len(inflight) >= _MAX_INFLIGHT:
@@ -294,10 +322,21 @@ class WeightSender:
                     self._mark("transferred", j)
             if progress is not None:
                 progress(i + 1, len(buckets))
-        while inflight:
-            j, done = inflight.popleft()
-            await wait_transfer(link, done, s.timeout_s)
-            self._mark("transferred", j)
+        resumed = None
+        if resume is not None:
+            self._mark("continue")
+            resumed = asyncio.ensure_future(call_all(resume, lambda c: c.continue_generation(),
+                                                     "continue_generation"))
+        try:
+            while inflight:
+                j, done = inflight.popleft()
+                await wait_transfer(link, done, s.timeout_s)
+                self._mark("transferred", j)
+        finally:
+            if resumed is not None:
+                await asyncio.gather(resumed, return_exceptions=True)
+        if resumed is not None:
+            resumed.result()  # a PushFailed from continue_generation
         return time.perf_counter() - t
 
     async def _send_disk(self, members: list[EngineState], named, version: int) -> float:
@@ -366,3 +405,4 @@ class WeightSender:
         for e in self.engines:
             await e.client.close()
         await asyncio.sleep(0.05)  # aiohttp closes transports on the next loop iterations
+

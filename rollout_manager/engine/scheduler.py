@@ -68,6 +68,7 @@ class Scheduler:
         self._paused = False
         self._stopping = False
         self._busy = False  # the scheduler thread is running commands or a step (under _cv)
+        self._inline = False  # a command runs in the caller's thread (run_now_if_paused): hold off
         # running batch state (scheduler thread only)
         self._batch: Batch | None = None
         self._rows: list[Request | None] = []  # batch row -> request (None: finished, awaiting compaction)
@@ -149,6 +150,32 @@ class Scheduler:
             self._cv.notify()
         return fut
 
+    def run_now_if_paused(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` in the calling thread when generation is paused and the scheduler thread is
+        idle with nothing queued (no forward can run meanwhile, and ``fn`` keeps its place in
+        line); otherwise queue it like ``run_command``. Returns a future of its result.
+
+        For a weight push on a GPU: the copy of a version's last bucket only queues GPU work,
+        and the answer waits for it; a hop to the scheduler thread and back costs more.
+        """
+        with self._cv:
+            inline = self._paused and not self._busy and not self._commands and not self._aborts \
+                and not self._stopping and not self._inline
+            if inline:
+                self._inline = True
+        if not inline:
+            return self.run_command(fn)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # delivered to the caller, as run_command does
+            fut.set_exception(e)
+        finally:
+            with self._cv:
+                self._inline = False
+                self._cv.notify()
+        return fut
+
     def load(self) -> dict:
         with self._cv:
             return {"num_running_reqs": self._n_running, "num_waiting_reqs": len(self._waiting),
@@ -162,6 +189,8 @@ class Scheduler:
 
     # --- the loop (scheduler thread) --------------------------------------------------------
     def _has_work(self) -> bool:
+        if self._inline:  # woken while a command runs in another thread: wait for its notify
+            return False
         return bool(self._commands or self._aborts or
                     (not self._paused and (self._waiting or self._n_running)))
 
