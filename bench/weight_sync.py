@@ -6,8 +6,9 @@
 
 For each weight set: write a random-weight HF checkpoint, start one embedded engine
 (``python -m rollout_manager.engine``) on it, connect a ``WeightSender`` and time ``--repeats``
-pushes after a warm-up (the last one with ``check_equal``, so the numbers are for pushes that
-really land). Then the ceiling: a bare broadcast of the same bytes from the trainer process to a
+pushes after a warm-up; then one more push of changed values (every weight negated), the way
+the timed ones are sent, followed by a per-tensor checksum comparison with the engine, so the
+numbers are for pushes that really land. Then the ceiling: a bare broadcast of the same bytes from the trainer process to a
 plain receiver process on the engine's device, both in the bucket sizes of the push and as one
 tensor; the ceiling is the faster of the two. ``ratio`` = push GiB/s / ceiling GiB/s (medians),
 the worst over the sets the issue targets (1.5B and 7B on GPU; every set on CPU).
@@ -108,6 +109,7 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
     a shared machine. Returns medians per variant and for the bare broadcasts.
     """
     from weight_sync._loop import free_port
+    from weight_sync.engines import check_equal
     from weight_sync.interfaces import WeightSyncSettings
     from weight_sync.process_group import init_weight_update_group
     from weight_sync.sender import WeightSender
@@ -164,9 +166,14 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
         out = {"bare_bucketed_s": statistics.median(bare_t["bucketed"]),
                "bare_single_s": statistics.median(bare_t["single"]), "variants": {}, "trace": trace}
         for (fmt, bucket), snd, rs in zip(args.variants, senders, runs):
-            snd.settings.check_equal = True  # the timed pushes really land: check one more
+            # The timed kind of push really lands: new values (every weight negated, exactly),
+            # pushed the timed way, then every engine tensor's checksum against the trainer's.
+            for _, t in named:
+                t.neg_()
             version += 1
-            checked = snd.push(named, version=version)
+            snd.push(named, version=version)
+            checked = {"weight_sync/check_s": snd._loop.run(
+                check_equal(snd.engines, named, snd.settings.timeout_s), timeout=600)}
             med = {k.removeprefix("weight_sync/"): statistics.median(x[k] for x in rs)
                    for k in ("weight_sync/time_s", "weight_sync/transfer_s", "weight_sync/pause_s",
                              "weight_sync/continue_s")}
