@@ -142,6 +142,51 @@ async def short_latency(c: EngineClient, n_long: int, long_tokens: int, n_short:
             "long_remaining_s": rest}
 
 
+def profile_step(path: Path, rows: int, steps: int, threads: int) -> dict:
+    """CPU ms per decode step of the runner (no HTTP, no sampling) at ``rows`` rows, native
+    forward vs transformers' modules, interleaved; and where the native step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout_manager.engine.model_runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    prompts = make_prompts(rows, 0)
+    runners = {mode: ModelRunner(EngineSettings(model_path=str(path), num_threads=threads, native_forward=mode))
+               for mode in ("auto", "off")}
+    per_step: dict[str, list[float]] = {"auto": [], "off": [], "auto_1row": []}
+    with torch.inference_mode():
+        for _ in range(3):  # interleaved rounds: both see the same machine load
+            for mode, r, ps in (("auto", runners["auto"], prompts), ("off", runners["off"], prompts),
+                                ("auto_1row", runners["auto"], prompts[:1])):
+                logits, batch = r.prefill(ps)
+                for i in range(steps):
+                    batch.last_tok = logits.argmax(-1)
+                    t = time.thread_time()  # this thread's CPU time: less sensitive to other processes
+                    logits = r.decode(batch)
+                    per_step[mode].append(time.thread_time() - t)
+        logits, batch = runners["auto"].prefill(prompts)
+        t = time.thread_time()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                logits = runners["auto"].decode(batch)
+        profiled_ms = 1e3 * (time.thread_time() - t) / steps
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    out = {"rows": rows, "steps": steps, "native_ms": 1e3 * statistics.median(per_step["auto"]),
+           "transformers_ms": 1e3 * statistics.median(per_step["off"]),
+           # one row: the step's fixed cost (Python, dispatch, per-op overhead)
+           "native_1row_ms": 1e3 * statistics.median(per_step["auto_1row"]),
+           "native_top_ops_share": {e.key: round(e.self_cpu_time_total / total, 3) for e in ops[:8]},
+           # under the profiler: the step's CPU time and the part inside aten ops (the rest: Python)
+           "profiled_step_ms": profiled_ms, "profiled_in_ops_ms": total / 1e3 / steps}
+    print(f"decode step at {rows} rows (CPU ms, median of {3 * steps}): native {out['native_ms']:.2f}, "
+          f"transformers' modules {out['transformers_ms']:.2f}; native at 1 row {out['native_1row_ms']:.2f}; "
+          f"native step under the profiler "
+          f"{profiled_ms:.2f} ms, {out['profiled_in_ops_ms']:.2f} in aten ops, by op (self CPU share): "
+          f"{out['native_top_ops_share']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1,
@@ -152,10 +197,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU machine)")
     ap.add_argument("--dtype", default="auto", help="engine and transformers dtype (auto: fp32 CPU, bf16 CUDA)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine.json")
+    ap.add_argument("--native-forward", default=EngineSettings.native_forward, choices=["auto", "off"],
+                    help="the engine's forward: auto (native for llama-family models) or off (transformers' "
+                         "modules: the comparison run; no results file)")
     ap.add_argument("--models", default="toy,llama110m",
                     help="comma-separated subset of toy,llama110m (a subset is a partial run: no results file)")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="only profile the toy's decode step at 64 rows (native vs transformers' modules)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile_step:
+        with tempfile.TemporaryDirectory() as tmp:
+            return profile_step(build_models(Path(tmp))["toy"], 64, 100, args.threads)
     # RL rollouts are decode-heavy (responses longer than prompts): the larger model gets short
     # prompts so that the run measures decoding more than prefill
     # the toy's cells last under a second: twice the reps, as the noise of a shared box weighs more there
@@ -178,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             cfg = plan[name]
             es = EngineSettings(model_path=str(path), port=0, num_threads=args.threads, random_seed=0,
-                                device=args.device, dtype=args.dtype)
+                                device=args.device, dtype=args.dtype, native_forward=args.native_forward)
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, es.torch_dtype_name()))
             hf = hf.to(args.device).eval()
             nparams = sum(p.numel() for p in hf.parameters())
@@ -231,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
                          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""),
               "command": "python bench/engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "metrics": metrics, "ratio": ratio, "target": 1.0}
-    if not args.quick and set(wanted) >= set(models):
+    if not args.quick and set(wanted) >= set(models) and args.native_forward == EngineSettings.native_forward:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"ratio (ours / transformers at 64 concurrent, lower of both models): {ratio:.2f} (target >= 1.0)")

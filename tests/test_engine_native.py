@@ -57,6 +57,16 @@ def _build(name: str, root: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     return _save(model, root / f"{name}_s{seed}", tokenizer_from)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread here (restored after): tiny forwards on a shared 2-core box run 10-30x
+    slower when two threads spin against other processes."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, engine_model) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("native_models")
@@ -136,9 +146,17 @@ def test_native_forward_with_packed_weights_equals_transformers(models, monkeypa
     try:
         torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or orig(*a)  # count calls
         _run_scenario(r, hf_model(models["qwen2_bias_tied"]))
+        n = len(calls)
+        assert n  # the packed matmul ran
+        with torch.inference_mode():  # one row: fewer than MIN_ROWS, the layers' own weights
+            logits, batch = r.prefill([[9]])
+            batch.last_tok = logits.argmax(-1)
+            step = r.decode(batch)
+        assert len(calls) == n
     finally:
         torch.ops.mkldnn._linear_pointwise = orig
-    assert calls  # the packed matmul ran
+    ref = _alone_last_logits(hf_model(models["qwen2_bias_tied"]), [[9], [9, int(batch.last_tok)]])
+    assert (torch.cat([logits, step]) - ref).abs().max() <= 1e-5
 
 
 def test_unsupported_models_take_transformers_path(models, engine_model, tmp_path):

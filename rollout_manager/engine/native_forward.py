@@ -87,7 +87,9 @@ class _Linear:
         weights = lambda: [m.weight for m in layers]  # noqa: E731  (read from the modules at each call)
         biases = lambda: [m.bias for m in layers]  # noqa: E731
         cat = lambda ts: torch.cat(ts, 0) if len(ts) > 1 else ts[0]  # noqa: E731
-        self.w = _Derived(weights, cat) if self.fused else None
+        # a fused plain copy only where no packed one exists (inputs under min_rows then run the
+        # layers one by one: a packed layer's weight is not held a third time)
+        self.w = _Derived(weights, cat) if self.fused and self.pack is None else None
         self.b = _Derived(biases, cat) if self.fused and self.has_bias else None
         self.packed = None
         if self.pack is not None:
@@ -96,9 +98,10 @@ class _Linear:
 
     def each(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output separately (views of one product when fused)."""
-        if self.fused or len(self.layers) == 1:
-            return list(self(x).split([m.out_features for m in self.layers], -1))
-        return [F.linear(x, m.weight, m.bias) for m in self.layers]
+        few_rows = self.packed is None or x.numel() < self.pack.min_rows * x.shape[-1]  # type: ignore[union-attr]
+        if len(self.layers) > 1 and self.w is None and few_rows:  # no fused product to split
+            return [F.linear(x, m.weight, m.bias) for m in self.layers]
+        return list(self(x).split([m.out_features for m in self.layers], -1))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.numel() >= self.pack.min_rows * x.shape[-1]:  # type: ignore[union-attr]
@@ -109,7 +112,7 @@ class _Linear:
         if len(self.layers) == 1:
             m = self.layers[0]
             return F.linear(x, m.weight, m.bias)
-        return torch.cat([F.linear(x, m.weight, m.bias) for m in self.layers], -1)
+        return torch.cat([F.linear(x, m.weight, m.bias) for m in self.layers], -1)  # [..., sum(out)]
 
 
 def _rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
