@@ -81,7 +81,7 @@ class ModelRunner:
                else NativeForward.unsupported(self.model, self.context_length))
         if why is None:
             pack = PackedLinears.spec() if PackedLinears.usable(self.device, self.dtype) else None
-            self.native = NativeForward(self.model, pack)
+            self.native = NativeForward(self.model, pack, context_length=self.context_length + 16)
             with torch.inference_mode():
                 self.native.prepare()  # fuse/pack now, so that the first request does not pay for it
             log.info("forward: native (%s; fused q/k/v and gate/up: %s; oneDNN-packed weights: %s)",

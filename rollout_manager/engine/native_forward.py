@@ -146,6 +146,12 @@ class _Layer:
         self.scaling = float(attn.scaling)
 
 
+def _fold_sign(sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2]: the sign moved onto sin (exact)."""
+    D = sin.shape[-1]
+    return torch.cat([-sin[..., : D // 2], sin[..., D // 2:]], -1)
+
+
 def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     """``[B, Hkv, T, D]`` -> ``[B, Hkv * rep, T, D]``, each KV head repeated for its query heads."""
     B, Hkv, T, D = x.shape
@@ -169,11 +175,17 @@ class NativeForward:
     # decode attention on the CPU as matmul + softmax + matmul instead of SDPA (see forward)
     MATMUL_DECODE_ATTENTION_ON_CPU = True
 
-    def __init__(self, model: torch.nn.Module, pack: PackSpec | None, accelerator: bool | None = None):
+    # RoPE types whose tables do not depend on the sequence length (dynamic and longrope do)
+    STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+    MAX_ROPE_TABLE_POSITIONS = 1 << 16  # longer contexts call the rotary module at every forward
+
+    def __init__(self, model: torch.nn.Module, pack: PackSpec | None, accelerator: bool | None = None,
+                 context_length: int | None = None):
         """``pack``: oneDNN packing thresholds (CPU float32) or None. ``accelerator`` (default: the
         model is not on the CPU) picks the kernels: on the CPU fused q/k/v and gate/up weights,
         HF's op-for-op RMSNorm, matmul decode attention; on an accelerator separate projections
-        (no weight copies), one-kernel norms, SDPA with K/V repeated for GQA under a mask."""
+        (no weight copies), one-kernel norms, SDPA with K/V repeated for GQA under a mask.
+        ``context_length``: positions of the cos/sin table (None: call the rotary module each time)."""
         cfg = model.config.get_text_config()
         accel = model.device.type != "cpu" if accelerator is None else accelerator
         fuse = not accel
@@ -196,6 +208,18 @@ class NativeForward:
         self.matmul_decode_attention = not accel and self.MATMUL_DECODE_ATTENTION_ON_CPU
         # CUDA's fused SDPA kernels take no grouped K/V together with a mask (math fallback)
         self.repeat_kv_prefill = accel
+        self.rope_table = self._rope_table(context_length)
+
+    def _rope_table(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sign-folded sin) ``[n, D]`` from the model's own rotary module, for positions 0..n-1:
+        one gather per forward instead of the module's ~8 ops. None where the table would depend on
+        the sequence length or be large."""
+        if n is None or n > self.MAX_ROPE_TABLE_POSITIONS or getattr(self.rotary, "rope_type", None) not in self.STATIC_ROPE_TYPES:
+            return None
+        w = self.embed.weight
+        with torch.inference_mode():
+            cos, sin = self.rotary(w.new_empty((1, n, 1)), torch.arange(n, device=w.device)[None])  # [1, n, D]
+        return cos[0].clone(), _fold_sign(sin[0]).clone()
 
     @staticmethod
     def unsupported(model: torch.nn.Module, context_length: int) -> str | None:
@@ -239,10 +263,12 @@ class NativeForward:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         norm = self.norm
         h = F.embedding(ids, self.embed.weight)  # [B, q, E]
-        cos, sin = self.rotary(h, pos)  # [B, q, D] each, h's dtype
-        cos = cos[:, :, None]  # [B, q, 1, D]: broadcast over heads
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2] (the sign moved onto sin: exact)
-        sin = torch.cat([-sin[..., : D // 2], sin[..., D // 2:]], -1)[:, :, None]  # [B, q, 1, D]
+        if self.rope_table is not None:
+            cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]  # [B, q, D] each
+        else:
+            cos, sin = self.rotary(h, pos)  # [B, q, D] each, h's dtype
+            sin = _fold_sign(sin)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, q, 1, D]: broadcast over heads
         rep = H // Hkv
         # CPU decode: attention as two batched matmuls around an additive mask built once per
         # forward; for one query row per KV head group this beats SDPA's flash kernel (bench/NOTES.md)
