@@ -404,7 +404,8 @@ def main() -> None:
     # "vs batch": against the same groups sent as batch requests straight to the engines (like for like)
     ratios = {f"{d}_{g}": r["direct_s"] / r[f"manager_{g}_s"] for d, r in (("router", rb), ("direct", rd))
               for g in ("group", "sample")}
-    ratio_vs_batch = {f"{d}_group": r["direct_batch_s"] / r["manager_group_s"] for d, r in (("router", rb), ("direct", rd))}
+    ratio_vs_batch = {f"{d}_group": r["direct_batch_s"] / r["manager_group_s"]
+                      for d, r in (("router", rb), ("direct", rd))}
     # the same ratios paired per repeat (both paths of a repeat ran the same prompts), then the median
     paired = {f"{d}_{g}": statistics.median(x / y for x, y in zip(r["direct_runs_s"], r[f"manager_{g}_runs_s"]))
               for d, r in (("router", rb), ("direct", rd)) for g in ("group", "sample")}

@@ -7,8 +7,8 @@ evaluation=False) -> list[list[Sample]]`` (the manager calls plugins from a work
 One step keeps starting groups (``--over-sampling-batch-size`` prompts at a time) while the kept
 groups plus the groups in flight are fewer than ``--rollout-batch-size``; groups the filter
 rejects are dropped and counted. With the default generate, a group's unfinished samples go to the
-engines as one batch request (``--rollout-request-granularity group``; ``sample``: one each). When enough groups are kept, the requests still running are
-aborted and their groups go back to the data source: with ``--partial-rollout`` they resume later
+engines as one batch request (``--rollout-request-granularity group``; ``sample``: one each).
+When enough groups are kept, the requests still running are aborted and their groups go back to the data source: with ``--partial-rollout`` they resume later
 from the tokens generated so far, otherwise they restart from the prompt. No prompt is lost.
 """
 
