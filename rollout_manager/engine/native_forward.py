@@ -77,13 +77,12 @@ class _Linear:
 
     def __init__(self, layers: list[torch.nn.Linear], fuse: bool, pack: PackSpec | None):
         self.layers = layers
-        self.fused = fuse and len(layers) > 1
+        self.has_bias = layers[0].bias is not None
+        same_bias = all((m.bias is not None) == self.has_bias for m in layers)  # else: not fused
+        self.fused = fuse and len(layers) > 1 and same_bias
         n_elem = sum(m.weight.numel() for m in layers)
         packable = pack is not None and n_elem >= pack.min_weight_elements and (self.fused or len(layers) == 1)
         self.pack = pack if packable else None
-        self.has_bias = layers[0].bias is not None
-        if any((m.bias is not None) != self.has_bias for m in layers):
-            raise ValueError("fused linear layers must all have a bias or none")
         weights = lambda: [m.weight for m in layers]  # noqa: E731  (read from the modules at each call)
         biases = lambda: [m.bias for m in layers]  # noqa: E731
         cat = lambda ts: torch.cat(ts, 0) if len(ts) > 1 else ts[0]  # noqa: E731
