@@ -8,7 +8,9 @@ A push of version v (transport ``distributed``):
    and, while those requests are in flight, broadcast the bucket from rank 0 (the engines receive
    inside their handlers); the next bucket is packed while the current one travels;
 4. optionally compare per-tensor checksums (``check_equal``);
-5. ``/continue_generation``; record v (buffer actor or callback).
+5. ``/continue_generation`` (over NCCL without the check: as soon as the last bucket is answered,
+   while rank 0 waits for its last transfers; an engine's next forwards queue on its GPU behind the
+   copies); record v (buffer actor or callback).
 Only the last bucket carries ``weight_version`` (and ``flush_cache``), so an engine reports v only
 once all of v is in place. If an engine dies or stalls, the push fails within ``timeout_s``; the
 engines still alive stay paused (their weights may be half-updated), the group is rebuilt
