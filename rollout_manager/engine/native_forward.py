@@ -168,7 +168,7 @@ class NativeForward:
     """Prefill/decode forward of a supported HF model without its module machinery.
 
     ``forward(ids [B, q], pos [B, q], mask [B, 1, q, T] bool, cache, last_only)`` -> logits
-    ``[B, q or 1, V]`` (float, the lm_head's dtype), writing this forward's K/V into ``cache``
+    ``[B, q or 1, V]`` (the model's dtype), writing this forward's K/V into ``cache``
     (between the runner's ``cache.begin`` and ``cache.commit``)."""
 
     # decode attention on the CPU as matmul + softmax + matmul instead of SDPA (see forward)
