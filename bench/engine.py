@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import platform
@@ -30,6 +31,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -77,7 +79,11 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, with_cpu: bool
     _sync(model.device)
     cpu = time.process_time()
     t = time.perf_counter()
-    with torch.inference_mode():
+    # On CUDA, the same attention kernels as the engine (no cuDNN: it builds a graph per new
+    # shape, i.e. per decode step, ~24 ms of CPU each on the H200; generate would pay it too)
+    kernels = (sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+               if model.device.type == "cuda" else contextlib.nullcontext())
+    with torch.inference_mode(), kernels:
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                              max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=0)
     _sync(model.device)
