@@ -21,12 +21,85 @@ from tests._fixtures_weight_sync import perturbed_model, stop_engines, ws_toy_mo
 pytestmark = pytest.mark.gpu
 
 
-def _engine(model: Path, port: int = 0) -> tuple:
+def _engine(model: Path, port: int = 0, device: str = "cuda:1") -> tuple:
     from rollout_manager.engine.launch import launch_engine_process
     from rollout_manager.engine.settings import EngineSettings
 
-    return launch_engine_process(EngineSettings(model_path=str(model), port=port, device="cuda:1",
+    return launch_engine_process(EngineSettings(model_path=str(model), port=port, device=device,
                                                 dtype="float32", max_running_requests=8), timeout_s=180)
+
+
+def _assert_engine_holds(url: str, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Every engine tensor's checksum equals the trainer's (read after the push, not inside it)."""
+    import json
+    import urllib.request
+
+    from weight_sync.buckets import tensor_checksum
+
+    with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as r:
+        sums = json.loads(r.read())
+    sums = sums.get("checksums", sums)
+    bad = [n for n, t in named if sums.get(n) != tensor_checksum(t)]
+    assert not bad, f"{len(bad)} tensors differ on the engine, e.g. {bad[:3]}"
+
+
+def _generates(url: str) -> None:
+    import json
+    import urllib.request
+
+    body = json.dumps({"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    req = urllib.request.Request(f"{url}/generate", data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert json.loads(r.read())["meta_info"]["completion_tokens"] == 4
+
+
+def test_gloo_push_into_a_cuda_engine_lands(ws_toy_model):  # noqa: F811
+    """One GPU: the engine's CUDA side of a push (copies on its side stream, the last bucket's copy
+    queued inline while paused, the forwards' stream waiting for the copies) with gloo transfers;
+    a push of other values, then generation, then a check of every tensor."""
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    es = [_engine(ws_toy_model, device="cuda:0")]
+    url = es[0][1]
+    s = WeightSyncSettings(backend="gloo", bucket_bytes=32 * 1024, timeout_s=20)
+    try:
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            for version, scale in ((1, 1.25), (2, 0.5)):
+                named = [(n, p.detach()) for n, p in perturbed_model(ws_toy_model, scale).named_parameters()]
+                m = sender.push(named, version=version)
+                assert m["weight_sync/num_buckets"] > 2 and _version(url) == str(version)
+                _generates(url)
+                _assert_engine_holds(url, named)
+    finally:
+        stop_engines(es)
+
+
+def test_nccl_push_without_check_lands(ws_toy_model):  # noqa: F811
+    """The default fast path over NCCL (no check inside the push: receives issued after each
+    answer, continue sent while the last transfers end): every tensor lands, push after push."""
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    _needs_two_gpus()
+    torch.cuda.set_device(0)
+    es = [_engine(ws_toy_model)]
+    url = es[0][1]
+    s = WeightSyncSettings(backend="nccl", bucket_bytes=32 * 1024, timeout_s=20)
+    try:
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            for version, scale in ((1, 1.25), (2, 0.5), (3, 0.75)):
+                named = _weights(ws_toy_model, scale)
+                m = sender.push(named, version=version)
+                assert m["weight_sync/num_buckets"] > 2 and _version(url) == str(version)
+                _generates(url)
+                _assert_engine_holds(url, named)
+    finally:
+        stop_engines(es)
 
 
 def _version(url: str) -> str:

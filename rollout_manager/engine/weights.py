@@ -11,11 +11,16 @@ Where a bucket's time goes matters (a 512 MiB bucket crosses NVLink in ~1.5 ms),
 - gloo receives block until the bucket is here, and NCCL's first collective of a group builds
   its communicator (blocking too): both run in the group's one worker thread, in order. Later
   NCCL receives only queue work on the GPU and are issued on the HTTP loop itself (a thread hop
-  cost 0.4-1 ms per bucket on the GPU VMs).
+  cost 0.4-1 ms per bucket on the GPU VMs), right after the bucket's answer has gone out (loop
+  callbacks run in order, so receives keep the order of the requests); a version's last bucket
+  queues its receive and copy before answering.
+- On CUDA the copies run on a side stream that waits for each receive, so bucket k+1's receive
+  does not wait behind bucket k's copy; the forwards' stream waits for the side stream when a
+  version completes (``_copy_stream``).
 - The copy into the model is queued on the scheduler (it runs between two forwards, in order,
   before any forward that follows it) and answered without waiting, except for the bucket that
   carries ``weight_version``: it waits for its copy and so for every earlier one, and reports
-  any earlier failure instead of switching the version.
+  any earlier failure (of a copy or a deferred receive) instead of switching the version.
 Metadata that does not match the model still has its broadcast received (drained) before the
 400 is returned, so the group stays consistent for the next bucket. ``trace`` keeps the last
 buckets' timings (``/server_info``), which bench/weight_sync.py lines up with the trainer's.
@@ -149,14 +154,14 @@ class WeightManager:
                 out.append(t)
             return out
 
-        if dev.type == "cuda" and g.joined and weight_version is None and not problem:
+        if g.group.backend == "nccl" and g.joined and weight_version is None and not problem:
             # NCCL only queues the receive on the GPU: it is issued on this loop right after the
             # answer goes out (callbacks run in order, so receives keep the order of requests), so
             # the trainer's next request overlaps this one's enqueue. A failure is reported by the
             # version's last bucket, which then leaves the version unchanged.
             asyncio.get_running_loop().call_soon(self._receive_and_apply, receive, names, rec)
             return
-        if dev.type == "cuda" and g.joined:  # the last bucket: answered once the copy is queued
+        if g.group.backend == "nccl" and g.joined:  # the last bucket: answered once its copy is queued
             tensors = receive()
         else:  # gloo blocks until the bucket is here; NCCL's first collective builds the communicator
             tensors = await asyncio.get_running_loop().run_in_executor(g.executor, receive)
