@@ -90,6 +90,22 @@ def reference_logprobs(model, prompt: list[int], response: list[int], temperatur
     return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
 
 
+def write_weights(params: dict, new: dict, how: str) -> None:
+    """Write ``new`` into the engine's ``params`` the ways engine/weights.py (and disk loads) do:
+    ``foreach_flat`` (one fused copy on flat views), ``copy`` (per tensor) or ``data`` (new storage)."""
+    import torch
+
+    with torch.no_grad():
+        if how == "foreach_flat":
+            torch._foreach_copy_([params[n].view(-1) for n in new], [t.reshape(-1) for t in new.values()])
+        elif how == "copy":
+            for n, t in new.items():
+                params[n].copy_(t)
+        else:
+            for n, t in new.items():
+                params[n].data = t.detach().clone()
+
+
 def greedy_taker(seqs: list[list[int]], lps: list[list[float]]):
     """``take(logits, batch, rows)`` for runner-level tests: feeds each row its greedy token and
     appends the token to ``seqs[i]`` and its log-prob to ``lps[i]`` (``rows[j]`` = request of row j)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fixtures_engine import engine_model, engine_model_b, hf_model, reference_logprobs  # noqa: F401
+from _fixtures_engine import engine_model, engine_model_b, hf_model, reference_logprobs, write_weights  # noqa: F401
 from rollout_manager.engine.model_runner import ModelRunner, PackedLinears
 from rollout_manager.engine.settings import EngineSettings
 
@@ -95,15 +95,7 @@ def test_weight_changes_reach_the_packed_layers(engine_model, engine_model_b, ho
     r = _packed_runner(engine_model)
     new = dict(hf_model(engine_model_b).named_parameters(remove_duplicate=False))
     params = r.named_tensors()
-    with torch.no_grad():  # the ways engine/weights.py writes weights
-        if how == "foreach_flat":
-            torch._foreach_copy_([params[n].view(-1) for n in new], [t.reshape(-1) for t in new.values()])
-        elif how == "copy":
-            for n, t in new.items():
-                params[n].copy_(t)
-        else:
-            for n, t in new.items():
-                params[n].data = t.detach().clone()
+    write_weights(params, new, how)  # the ways engine/weights.py writes weights
     with torch.inference_mode():
         logits, _ = r.prefill(PROMPTS)
     ref_new = _last_logits(hf_model(engine_model_b), PROMPTS)

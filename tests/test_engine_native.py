@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs  # noqa: F401  (fixtures)
+from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs, write_weights  # noqa: F401  (fixtures)
 from rollout_manager.engine.model_runner import ModelRunner, PackedLinears
 from rollout_manager.engine.settings import EngineSettings
 
@@ -195,15 +195,7 @@ def test_weight_writes_reach_the_native_forward(models, engine_model, tmp_path, 
         before, _ = r.prefill(prompts)  # the fused/packed weights of model a are built and used
     new = dict(hf_model(b).named_parameters(remove_duplicate=False))
     params = r.named_tensors()
-    with torch.no_grad():
-        if how == "foreach_flat":
-            torch._foreach_copy_([params[n].view(-1) for n in new], [t.reshape(-1) for t in new.values()])
-        elif how == "copy":
-            for n, t in new.items():
-                params[n].copy_(t)
-        else:
-            for n, t in new.items():
-                params[n].data = t.detach().clone()
+    write_weights(params, new, how)
     with torch.inference_mode():
         after, batch = r.prefill(prompts)
         batch.last_tok = after.argmax(-1)

@@ -58,42 +58,37 @@ def test_gloo_push_into_a_cuda_engine_lands(ws_toy_model):  # noqa: F811
     queued inline while paused, the forwards' stream waiting for the copies) with gloo transfers;
     a push of other values, then generation, then a check of every tensor."""
     from weight_sync.interfaces import WeightSyncSettings
-    from weight_sync.sender import WeightSender
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    es = [_engine(ws_toy_model, device="cuda:0")]
-    url = es[0][1]
-    s = WeightSyncSettings(backend="gloo", bucket_bytes=32 * 1024, timeout_s=20)
-    try:
-        with WeightSender(s) as sender:
-            sender.connect([url])
-            for version, scale in ((1, 1.25), (2, 0.5)):
-                named = [(n, p.detach()) for n, p in perturbed_model(ws_toy_model, scale).named_parameters()]
-                m = sender.push(named, version=version)
-                assert m["weight_sync/num_buckets"] > 2 and _version(url) == str(version)
-                _generates(url)
-                _assert_engine_holds(url, named)
-    finally:
-        stop_engines(es)
+    _push_check_generate(ws_toy_model, WeightSyncSettings(backend="gloo", bucket_bytes=32 * 1024, timeout_s=20),
+                         "cuda:0", lambda scale: [(n, p.detach()) for n, p in
+                                                  perturbed_model(ws_toy_model, scale).named_parameters()])
 
 
 def test_nccl_push_without_check_lands(ws_toy_model):  # noqa: F811
     """The default fast path over NCCL (no check inside the push: receives issued after each
     answer, continue sent while the last transfers end): every tensor lands, push after push."""
     from weight_sync.interfaces import WeightSyncSettings
-    from weight_sync.sender import WeightSender
 
     _needs_two_gpus()
     torch.cuda.set_device(0)
-    es = [_engine(ws_toy_model)]
+    _push_check_generate(ws_toy_model, WeightSyncSettings(backend="nccl", bucket_bytes=32 * 1024, timeout_s=20),
+                         "cuda:1", lambda scale: _weights(ws_toy_model, scale))
+
+
+def _push_check_generate(model: Path, settings, device: str, weights) -> None:
+    """Three pushes of other values (``weights(scale)``) into one engine on ``device``; after each:
+    the version, a generation, and every tensor's checksum against the trainer's."""
+    from weight_sync.sender import WeightSender
+
+    es = [_engine(model, device=device)]
     url = es[0][1]
-    s = WeightSyncSettings(backend="nccl", bucket_bytes=32 * 1024, timeout_s=20)
     try:
-        with WeightSender(s) as sender:
+        with WeightSender(settings) as sender:
             sender.connect([url])
             for version, scale in ((1, 1.25), (2, 0.5), (3, 0.75)):
-                named = _weights(ws_toy_model, scale)
+                named = weights(scale)
                 m = sender.push(named, version=version)
                 assert m["weight_sync/num_buckets"] > 2 and _version(url) == str(version)
                 _generates(url)
