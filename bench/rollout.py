@@ -478,7 +478,9 @@ def main() -> None:
         "machine": f"{platform.node()} {os.cpu_count()} cores {platform.processor() or platform.machine()}",
         "command": "unshare -n bash -c 'ip link set lo up && exec python bench/rollout.py'",
         "metrics": metrics,
-        "ratio": round(ratios["router_group"], 4),
+        # the headline is the stricter of the two baselines: the (per-sample requests straight
+        # to the engines) and like for like (the same batch requests straight to the engines)
+        "ratio": round(min(ratios["router_group"], ratio_vs_batch["router_group"]), 4),
         "target": 0.95,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
