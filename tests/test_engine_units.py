@@ -179,3 +179,21 @@ def test_scheduler_runs_a_command_inline_only_when_paused_and_idle(engine_model)
         assert s.run_command(lambda: 7).result(5) == 7
     finally:
         s.stop()
+
+
+def test_cpu_receive_buffers_are_reused_only_once_their_copy_ran():
+    from rollout_manager.engine.weights import _ReceiveBuffers
+
+    pool = _ReceiveBuffers(slots=2)
+    a, free_a = pool.take(1000)
+    b, free_b = pool.take(1000)
+    c, _ = pool.take(1000)  # both slots busy: a fresh buffer, never a wait or a shared one
+    ptrs = {a.data_ptr(), b.data_ptr(), c.data_ptr()}
+    assert len(ptrs) == 3 and a.numel() == b.numel() == c.numel() == 1000
+    free_a()
+    again, free_again = pool.take(800)  # fits in a's slot: the same memory, cut to size
+    assert again.data_ptr() == a.data_ptr() and again.numel() == 800
+    free_again()
+    free_b()
+    bigger, _ = pool.take(5000)  # no free slot is big enough: a slot gets a bigger buffer
+    assert bigger.numel() == 5000 and bigger.data_ptr() not in ptrs
