@@ -205,6 +205,7 @@ class Engine:
         return _json({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        self.weights.settle()
         self.scheduler.resume()
         return _json({"success": True, "message": "Generation continued."})
 

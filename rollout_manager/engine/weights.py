@@ -16,7 +16,8 @@ Where a bucket's time goes matters (a 512 MiB bucket crosses NVLink in ~1.5 ms),
   queues its receive and copy before answering.
 - On CUDA the copies run on a side stream that waits for each receive, so bucket k+1's receive
   does not wait behind bucket k's copy; the forwards' stream waits for the side stream when a
-  version completes (``_copy_stream``).
+  version completes, and on ``/continue_generation`` and checksum reads, so even a push that
+  stopped midway leaves no copy racing a forward (``_copy_stream``, ``settle``).
 - On the CPU, flattened buckets are received into two reused buffers (``_ReceiveBuffers``): new
   pages cost as much to fault in as the gloo transfer itself.
 - The copy into the model is queued on the scheduler (it runs between two forwards, in order,
@@ -227,7 +228,8 @@ class WeightManager:
             for release in held:
                 release()
             raise WeightUpdateError(problem)
-        applied = self._apply(dict(zip(names, tensors)), weight_version, held[0] if held else None)
+        applied = self._apply(dict(zip(names, tensors)), weight_version, held[0] if held else None,
+                              final=weight_version is not None)
         if weight_version is not None:
             # The bucket that completes a version waits for its copy (and, being queued after
             # them, for every earlier bucket's), so the reported version is the one served.
@@ -261,7 +263,8 @@ class WeightManager:
             log.exception("weight update: deferred receive failed")
             return
         rec["recv_queued"] = time.perf_counter()
-        self._apply(dict(zip(names, tensors)), None).add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._apply(dict(zip(names, tensors)), None, final=False).add_done_callback(
+            lambda f: f.cancelled() or f.exception())
         rec["applied"] = time.perf_counter()
         self.trace.append(rec)
 
@@ -297,10 +300,13 @@ class WeightManager:
         return None
 
     def _apply(self, tensors: dict[str, Any], weight_version: str | None,
-               release: Callable[[], None] | None = None) -> "asyncio.Future[None]":
+               release: Callable[[], None] | None = None, final: bool = True) -> "asyncio.Future[None]":
         """Queue the copy of ``tensors`` into the model between two forwards (the scheduler runs
         commands in order, before any forward that follows them). Returns a future of it.
         ``release()`` runs once the copy has run (or failed): ``tensors`` are free for reuse.
+        ``final=False`` (a bucket that does not complete a version, engine paused): on CUDA the
+        forwards' stream is not made to wait for this copy yet (the version's last bucket, or
+        ``settle``, does that).
 
         Buckets that do not complete a version are not waited for (one thread hop less per
         bucket): their copies run in queue order, and a failure is remembered and reported by
@@ -328,7 +334,7 @@ class WeightManager:
                     for _, t in pairs:  # the caching allocator must not reuse them before the copy ran
                         if t.is_cuda:
                             t.record_stream(side)
-                    if weight_version is not None or not sched.paused:  # forwards may follow
+                    if final or not sched.paused:  # forwards (or reads) may follow
                         torch.cuda.current_stream(side.device).wait_stream(side)
             except Exception as e:
                 self._apply_error = f"copying {len(tensors)} tensors into the model failed: {type(e).__name__}: {e}"
@@ -393,6 +399,19 @@ class WeightManager:
         if self._backup is None:
             self.scheduler.resume()
 
+    def settle(self) -> None:
+        """Queue, behind the copies already queued, a wait of the forwards' stream for the side
+        copy stream (CUDA), so whatever runs next reads finished weights even when a push stopped
+        before its last bucket. Not waited for: the scheduler runs it before its next forward.
+        Called on ``/continue_generation``."""
+        side = self._side
+        if side is None:
+            return
+        try:
+            self.scheduler.run_command(lambda: torch.cuda.current_stream(side.device).wait_stream(side))
+        except RuntimeError:  # shutting down: no forward follows
+            pass
+
     async def checksums(self, names: list[str] | None, dtype: torch.dtype | None) -> dict[str, str]:
         """``{name: tensor_checksum}`` of the model's parameters (HF names), read between forwards."""
         params = self._params
@@ -400,5 +419,10 @@ class WeightManager:
         unknown = [n for n in wanted if n not in params]
         if unknown:
             raise WeightUpdateError(f"names: no such parameter {unknown[0]!r}")
-        fut = self.scheduler.run_command(lambda: {n: tensor_checksum(params[n], dtype) for n in wanted})
-        return await asyncio.wrap_future(fut)
+        side = self._side
+
+        def read() -> dict[str, str]:
+            if side is not None:  # copies of an unfinished push may still run there
+                torch.cuda.current_stream(side.device).wait_stream(side)
+            return {n: tensor_checksum(params[n], dtype) for n in wanted}
+        return await asyncio.wrap_future(self.scheduler.run_command(read))
