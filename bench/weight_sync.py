@@ -176,10 +176,12 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
                 check_equal(snd.engines, named, snd.settings.timeout_s), timeout=600)}
             med = {k.removeprefix("weight_sync/"): statistics.median(x[k] for x in rs)
                    for k in ("weight_sync/time_s", "weight_sync/transfer_s", "weight_sync/pause_s",
-                             "weight_sync/continue_s")}
+                             "weight_sync/continue_s", "weight_sync/pack_first_s")}
             out["variants"][f"{fmt}:{bucket}"] = {
                 "push_s": med["time_s"], "push_s_all": [x["weight_sync/time_s"] for x in rs],
                 "transfer_s": med["transfer_s"], "pause_s": med["pause_s"], "continue_s": med["continue_s"],
+                # bucket 0 packed before the pause (engines still generating): not in push_s
+                "pack_first_s": med["pack_first_s"],
                 "num_buckets": rs[0]["weight_sync/num_buckets"], "check_s": checked["weight_sync/check_s"]}
         if recv.wait(120) != 0:
             raise RuntimeError(f"bare receiver exited with {recv.returncode}")

@@ -3,7 +3,8 @@
 A push of version v (transport ``distributed``):
 1. validate every tensor's name, shape and dtype against what each engine reported at connect
    (an error names the tensor; nothing has been sent yet);
-2. ``/pause_generation`` on every engine;
+2. pack bucket 0 (the engines still generate), then ``/pause_generation`` on every engine
+   (``weight_sync/time_s`` is measured from here to the end of 5: what generation loses);
 3. per bucket: POST ``/update_weights_from_distributed`` (names, dtypes, shapes) to every engine
    and, while those requests are in flight, broadcast the bucket from rank 0 (the engines receive
    inside their handlers); the next bucket is packed while the current one travels;
@@ -231,8 +232,11 @@ class WeightSender:
                     link = await self._relink(members)
                 t_link = time.perf_counter()
                 first = None
-                if s.transport == "distributed":
+                if s.transport == "distributed":  # before the pause: the engines generate meanwhile
                     first = self._pack_first(link, named, buckets[0])
+                    if link.device.type != "cuda":
+                        await first
+                t_pause = time.perf_counter()  # generation stops from here
                 self._mark("pause")
                 await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
                 t_paused = time.perf_counter()
@@ -256,12 +260,13 @@ class WeightSender:
                 continue
             for e in members:
                 e.version = version
-            pause_to_continue = t1 - t_link  # what generation loses to the push
+            pause_to_continue = t1 - t_pause  # what generation loses to the push
             return {"weight_sync/time_s": pause_to_continue,
                     "weight_sync/gib_per_s": total_bytes / GiB / max(pause_to_continue - check_s, 1e-9),
-                    "weight_sync/transfer_s": bcast_s, "weight_sync/pause_s": t_paused - t_link,
+                    "weight_sync/transfer_s": bcast_s, "weight_sync/pause_s": t_paused - t_pause,
                     "weight_sync/continue_s": t1 - t_checked, "weight_sync/check_s": check_s,
-                    "weight_sync/connect_s": t_link - t0, "weight_sync/total_s": t1 - t0,
+                    "weight_sync/connect_s": t_link - t0, "weight_sync/pack_first_s": t_pause - t_link,
+                    "weight_sync/total_s": t1 - t0,
                     "weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(len(buckets)),
                     "weight_sync/num_tensors": float(len(specs)), "weight_sync/engines": float(len(members)),
                     "weight_sync/attempts": float(attempt + 1), "weight_sync/version": float(version),
@@ -272,9 +277,9 @@ class WeightSender:
 
     @staticmethod
     def _pack_first(link: Link, named, bucket) -> "asyncio.Future":
-        """Start packing bucket 0: on a GPU right here (it only queues the copies, before the
-        engines pause, so generation loses nothing to it); on the CPU in a worker thread, while
-        the engines pause."""
+        """Start packing a bucket: on a GPU right here (it only queues the copies); on the CPU
+        in a worker thread. ``_push`` packs bucket 0 before the engines pause (on the CPU it
+        waits for it), so generation loses nothing to it."""
         loop = asyncio.get_running_loop()
         if link.device.type == "cuda":
             fut = loop.create_future()
