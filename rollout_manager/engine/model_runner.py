@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kv_cache import BatchKVCache
-from .native_forward import NativeForward, PackSpec
+from .native_forward import DerivedTensor, NativeForward, PackSpec
 from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -273,9 +273,11 @@ class PackedLinears:
 
     def __init__(self, layers: list[torch.nn.Linear]):
         self._layers = layers
-        # id(layer) -> (key, packed weight, the weight it was packed from). Holding that weight keeps
-        # its storage alive, so a weight given a new ``.data`` cannot land on the same address.
-        self._packed: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        hint = self.BATCH_HINT
+        # id(layer) -> its packed weight, rebuilt when the weight is written or replaced
+        self._packed = {id(layer): DerivedTensor(lambda layer=layer: [layer.weight],
+                                                 lambda ts: torch.ops.mkldnn._reorder_linear_weight(ts[0], hint))
+                        for layer in layers}
         self._on = False
         for layer in layers:
             layer.forward = self._forward_of(layer)  # instance attribute: nn.Module.__call__ uses it
@@ -326,13 +328,7 @@ class PackedLinears:
             self._on = False
 
     def _weight(self, layer: torch.nn.Linear) -> torch.Tensor:
-        w = layer.weight
-        key = (w.data_ptr(), w._version, w.shape)
-        entry = self._packed.get(id(layer))
-        if entry is None or entry[0] != key:
-            entry = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.BATCH_HINT), w.detach())
-            self._packed[id(layer)] = entry
-        return entry[1]
+        return self._packed[id(layer)].get()
 
     def _forward_of(self, layer: torch.nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:

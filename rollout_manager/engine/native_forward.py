@@ -44,7 +44,7 @@ class PackSpec:
         self.batch_hint = batch_hint
 
 
-class _Derived:
+class DerivedTensor:
     """A tensor computed from parameters, rebuilt when any of them is written or replaced.
 
     The key is each source's (storage address, version counter, shape); the sources it was built
@@ -88,12 +88,12 @@ class _Linear:
         cat = lambda ts: torch.cat(ts, 0) if len(ts) > 1 else ts[0]  # noqa: E731
         # a fused plain copy only where no packed one exists (inputs under min_rows then run the
         # layers one by one: a packed layer's weight is not held a third time)
-        self.w = _Derived(weights, cat) if self.fused and self.pack is None else None
-        self.b = _Derived(biases, cat) if self.fused and self.has_bias else None
+        self.w = DerivedTensor(weights, cat) if self.fused and self.pack is None else None
+        self.b = DerivedTensor(biases, cat) if self.fused and self.has_bias else None
         self.packed = None
         if self.pack is not None:
             hint = self.pack.batch_hint
-            self.packed = _Derived(weights, lambda ts: torch.ops.mkldnn._reorder_linear_weight(cat(ts), hint))
+            self.packed = DerivedTensor(weights, lambda ts: torch.ops.mkldnn._reorder_linear_weight(cat(ts), hint))
 
     def each(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output separately (views of one product when fused)."""
