@@ -185,82 +185,12 @@ def append_segment(sample: Sample, out: dict, mask_offpolicy: bool) -> int:
 
 
 async def generate(args: argparse.Namespace, sample: Sample, sampling_params: dict) -> Sample:
-    """Generate (or resume) one sample through the router; retries engine failures on other engines."""
-    ctx, step = current_context(), current_step()
-    s = ctx.settings.sampling
-    budget = sampling_params["max_new_tokens"]
-    attempt = idle_aborts = 0
-    avoid: set[str] = set()  # engines that failed this sample (direct dispatch retries elsewhere)
-    while True:
-        remaining = budget - sample.response_length
-        if remaining <= 0:
-            sample.status = Status.TRUNCATED
-            return sample
-        if not ctx.running.is_set():  # paused for a weight update: wait, then continue
-            if step.stopping:
-                sample.status = Status.ABORTED
-                return sample
-            await ctx.running.wait()
-        async with ctx.semaphore:
-            if step.stopping:
-                sample.status = Status.ABORTED
-                return sample
-            if not ctx.running.is_set():
-                continue
-            rid = uuid.uuid4().hex
-            step.inflight.add(rid)
-            step.stats.requests += 1
-            url, client = ctx.dispatcher.pick(avoid)
-            ctx.dispatcher.started(url)
-            try:
-                out = await client.generate(input_ids=sample.tokens,
-                                            sampling_params={**sampling_params, "max_new_tokens": remaining},
-                                            return_logprob=True, rid=rid, timeout=s.request_timeout)
-            except EngineError as e:
-                out = None
-                avoid.add(url)
-                if e.status is not None and 400 <= e.status < 500:
-                    log.warning("sample %s: engine rejected the request: %s", sample.index, e)
-                    mark_failed(sample, f"engine: HTTP {e.status}")  # our request is bad: retrying won't help
-                    return sample
-                attempt += 1
-                step.stats.retries += 1
-                if attempt > s.max_request_retries:
-                    mark_failed(sample, "engine: unreachable")
-                    return sample
-            finally:
-                step.inflight.discard(rid)
-                ctx.dispatcher.finished(url)
-        if out is None:  # back off outside the semaphore; the health monitor removes dead engines meanwhile
-            await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
-            continue
-        try:
-            new_tokens = append_segment(sample, out, s.mask_offpolicy_in_partial_rollout)
-            step.stats.generated_tokens += new_tokens
-        except RuntimeError as e:
-            mark_failed(sample, f"engine: {e}"[:80])
-            return sample
-        finish = (out["meta_info"].get("finish_reason") or {}).get("type")
-        if finish == "abort":
-            step.stats.aborted_requests += 1
-            if not s.partial_rollout:
-                reset_sample(sample)  # without partial rollout, an interrupted response restarts
-            if step.stopping:
-                sample.status = Status.ABORTED
-                return sample
-            if new_tokens:
-                idle_aborts = 0  # progress: e.g. weight_sync paused the engines (abort mode) mid-request
-            elif ctx.running.is_set():
-                # not our pause and nothing generated: an engine-side pause (weight sync) while queued,
-                # or an engine that aborts this request every time; the second must not loop forever
-                idle_aborts += 1
-                if idle_aborts > MAX_IDLE_ABORTS:
-                    mark_failed(sample, "engine: aborted")
-                    return sample
-                await asyncio.sleep(min(0.25 * 2 ** (idle_aborts - 1), 4.0))
-            continue  # interrupted by a pause: resume from what we have once weights are updated
-        sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
-        return sample
+    """Generate (or resume) one sample through the router; retries engine failures on other engines.
+
+    A group of one for ``generate_group`` (one plain ``/generate`` per request): the per-sample and
+    group paths share every rule (retries, aborts, partial rollout, failures)."""
+    await generate_group(args, [sample], sampling_params)
+    return sample
 
 
 # --- group requests ------------------------------------------------------------------------------
@@ -296,7 +226,7 @@ def split_requests(samples: list[Sample], sampling_params: dict, limit: int) -> 
 
 @dataclass
 class _GroupRetry:
-    """Retry state shared by a group's requests (the per-sample path keeps the same per sample)."""
+    """Retry state shared by a group's requests."""
 
     attempt: int = 0
     avoid: set[str] = field(default_factory=set)  # engines that failed this group
@@ -306,10 +236,14 @@ class _GroupRetry:
 async def generate_group(args: argparse.Namespace, samples: list[Sample], sampling_params: dict) -> list[Sample]:
     """Generate (or resume) ``samples`` (one group's unfinished ones) with batch requests.
 
-    The same contract as ``generate`` for each sample (statuses, segments, weight versions, aborts,
-    failures), with one request per set of samples that can share it (``split_requests``). A request
-    that fails on an engine is retried whole on another: no sample gets a segment twice or is lost.
-    Each element is aborted on its own by its rid (``batch_rids``), as partial rollout does."""
+    Each sample ends COMPLETED or TRUNCATED with its segments appended (``append_segment``: output
+    ids, log-probs, weight versions), ABORTED when its step stops, or FAILED (counted, with a reason:
+    the engine rejected the request, stayed unreachable after ``--rollout-max-retries``, answered
+    malformed, or aborted it with no progress too often); an abort midway (a weight update's pause)
+    resumes from the tokens so far. One request per set of samples that can share it
+    (``split_requests``); a request that fails on an engine is retried whole on another: no sample
+    gets a segment twice or is lost. Each element is aborted on its own by its rid (``batch_rids``),
+    as partial rollout does."""
     ctx = current_context()
     retry = _GroupRetry()
     todo = list(samples)
@@ -388,7 +322,7 @@ async def _group_request(ctx: RolloutContext, batch: list[Sample], params: dict,
         if finish != "abort":
             sample.status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
             continue
-        step.stats.aborted_requests += 1  # counted per sample, as the per-sample path does
+        step.stats.aborted_requests += 1  # counted per sample (a group request counts each element)
         if not s.partial_rollout:
             reset_sample(sample)  # without partial rollout, an interrupted response restarts
         if step.stopping:
