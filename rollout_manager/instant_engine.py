@@ -23,6 +23,8 @@ import random
 import orjson
 from aiohttp import web
 
+from rollout_manager.engine_client import batch_rids
+
 
 class InstantEngine:
     """The request handlers; ``paused`` requests wait, ``abort_all`` ends the waiting ones."""
@@ -52,7 +54,7 @@ class InstantEngine:
             return self._json(await self._one(body.get("rid"), ids or [], body.get("sampling_params") or {},
                                               bool(body.get("return_logprob"))))
         n, rid = len(ids), body.get("rid")
-        rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else None for i in range(n)]
+        rids = rid if isinstance(rid, list) else batch_rids(rid, n) if rid else [None] * n
 
         def each(name: str) -> list:
             v = body.get(name)

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_manager.engine_client import batch_rids
+
 # SGLang treats temperatures below this as greedy (top_k = 1, logprobs at temperature 1).
 SAMPLING_EPS = 1e-6
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -251,7 +253,7 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
     if rid is None:
         rids = [f"{_RID_PREFIX}{next(_RID_COUNTER)}" for _ in range(n)]
     elif isinstance(rid, str) and rid:
-        rids = [f"{rid}_{i}" for i in range(n)]  # SGLang's expansion: per-element aborts use these
+        rids = batch_rids(rid, n)  # SGLang's expansion: per-element aborts use these
     elif isinstance(rid, list):
         if len(rid) != n:
             raise ProtocolError("rid", f"a list of {len(rid)} rids for a batch of {n} prompts")
@@ -261,7 +263,7 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
     params = _per_element(body, "sampling_params", n)
     logprob = _per_element(body, "return_logprob", n)
     shared_sp = not isinstance(body.get("sampling_params"), list)
-    cache: dict[str, SamplingParams] = {}  # a shared dict is validated once
+    shared: SamplingParams | None = None  # a shared dict is validated once (at the first element)
     seen: set[str] = set()
     out = []
     for i in range(n):
@@ -281,7 +283,7 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
         seen.add(r)
         try:
             if shared_sp:
-                sp = cache.get("") or cache.setdefault("", parse_sampling_params(params[i], vocab_size))
+                shared = sp = shared or parse_sampling_params(params[i], vocab_size)
             else:
                 sp = parse_sampling_params(params[i], vocab_size)
         except ProtocolError as e:
