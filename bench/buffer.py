@@ -74,7 +74,7 @@ def run_trial(handle, batches: list[list[list[Sample]]], groups_per_put: int) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--samples-per-group", type=int, default=8)
     p.add_argument("--response-len", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=128)

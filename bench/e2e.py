@@ -1,7 +1,7 @@
 """Peer comparison (issue 7): the toy task under TRL's GRPOTrainer and under Reservoir (sync and
 async), same model, lr, batch, samples per prompt and generation length, in one invocation.
 
-    unshare -n bash -c 'ip link set lo up && RAY_AUTH_MODE=disabled exec python bench/e2e.py'
+    unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py'
 
 For each mode: wall time to the first eval accuracy >= 0.9 (from process start, and from the
 start of training), steps to it, steps/s, final accuracy; for Reservoir the median per-step time
@@ -197,7 +197,7 @@ def table(metrics: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--work-dir", type=Path, default=None, help="runs go here (default: a new /tmp dir)")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse a toy model (default: build one)")
     ap.add_argument("--modes", default="trl,sync,async")
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "name": "e2e", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs (shared, loaded), {platform.platform()}, CPU only",
-        "command": "unshare -n bash -c 'ip link set lo up && RAY_AUTH_MODE=disabled exec python bench/e2e.py "
+        "command": "unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py "
                    + " ".join(argv if argv is not None else sys.argv[1:]) + "'",
         "metrics": metrics, "ratio": ratio, "ratio_is_lower_bound": bool(ratio and not trl.get("reached")),
         "target": 1.0,

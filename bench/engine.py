@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rollout_manager.engine import EngineSettings, launch_engine_process  # noqa: E402
-from rollout_manager.engine_client import EngineClient  # noqa: E402
+from sglang_protocol.client import EngineClient  # noqa: E402
 
 
 def build_models(tmp: Path) -> dict[str, Path]:
@@ -194,7 +194,7 @@ def profile_step(path: Path, rows: int, steps: int, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both sides (1: on a shared 2-core box more threads spin against "
                          "other processes and both sides slow down 10x or more)")

@@ -38,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
 
-from rollout_manager.engine_client import EngineClient, new_session  # noqa: E402
-from rollout_manager.router import free_port  # noqa: E402
+from sglang_protocol.client import EngineClient, new_session  # noqa: E402
+from sglang_protocol.net import free_port  # noqa: E402
 
 PAYLOAD = {"input_ids": list(range(5, 25)), "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
            "return_logprob": True}
@@ -371,7 +371,7 @@ def part_c(model: Path, prompt_len: int, max_len: int, total: int, inflight: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--total", type=int, default=8000, help="(a) requests per measurement")
     ap.add_argument("--inflight", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)

@@ -182,7 +182,7 @@ def profile_step(name: str, backend: Any, groups: list, step: int, device: torch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny model and sequences (CPU smoke test)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; tiny 128)")

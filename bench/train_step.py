@@ -89,7 +89,7 @@ def median_times(fns, repeats: int, warmup: int = 2) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
     ap.add_argument("--device", default="cpu")

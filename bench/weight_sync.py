@@ -108,10 +108,10 @@ def bench_set(named, model: Path, bucket_numels: list[int], args) -> dict:
     warm-up round) exposes both to the same background load, so their medians compare fairly on
     a shared machine. Returns medians per variant and for the bare broadcasts.
     """
-    from weight_sync._loop import free_port
+    from sglang_protocol.net import free_port
     from weight_sync.engines import check_equal
     from weight_sync.interfaces import WeightSyncSettings
-    from weight_sync.process_group import init_weight_update_group
+    from sglang_protocol.process_group import init_weight_update_group
     from weight_sync.sender import WeightSender
 
     port = free_port()
@@ -226,7 +226,7 @@ def _timeline(sender_trace: list, port: int) -> list[str]:
 
 def bare_receiver(plan_file: str, port: int, device: str, backend: str) -> None:
     """Rank 1 of the bare broadcast: receives what ``bench_set`` sends, into preallocated buffers."""
-    from weight_sync.process_group import init_weight_update_group
+    from sglang_protocol.process_group import init_weight_update_group
 
     plan = json.loads(Path(plan_file).read_text())
     dev = torch.device(device)
@@ -253,7 +253,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--sets", nargs="+", default=None, help=f"weight sets of {list(SETS)} (default: per device)")
     ap.add_argument("--repeats", type=int, default=5)

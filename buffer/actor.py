@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from buffer.core import BufferCore
-from buffer.interfaces import BufferSettings, load_filter
+from buffer.settings import BufferSettings, load_filter
 from buffer.sample import Sample
 from buffer.store import SegmentStore, read_generation, write_generation
 
@@ -54,7 +54,8 @@ class BufferActor:
         self._core.validate_put(groups, put_id)
         timeout = self._settings.put_timeout_s if timeout_s is None else timeout_s
         async with self._cond:
-            t0 = time.monotonic()
+            t0, m = time.monotonic(), self._core.metrics
+            m.waiting_puts += 1
             try:
                 await asyncio.wait_for(self._cond.wait_for(lambda: self._core.has_room(len(groups))), timeout)
             except TimeoutError:
@@ -63,7 +64,8 @@ class BufferActor:
                     f"{self._core.size()} of --buffer-capacity {self._settings.capacity} groups "
                     "(is the trainer consuming? raise --buffer-capacity or --buffer-put-timeout)") from None
             finally:
-                self._core.metrics.put_wait_s += time.monotonic() - t0
+                m.waiting_puts -= 1
+                m.put_wait_s += time.monotonic() - t0
             prior = self._core.duplicate(put_id)  # the same put_id may have been stored meanwhile
             if prior is not None:
                 return prior
@@ -76,20 +78,23 @@ class BufferActor:
         """Wait until ``num_groups`` eligible groups exist and take them (FIFO, or the filter's pick).
 
         ``step`` leases them to that training step until ``commit(step)``; ``rewind`` can give
-        them back. Without ``step`` they are consumed for good. On timeout: ``TimeoutError``.
+        them back; asking again for the same step (a retry) returns the same batch. Without
+        ``step`` they are consumed for good. On timeout: ``TimeoutError`` (nothing taken).
         """
         self._core.check_get(num_groups)
         timeout = self._settings.get_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         async with self._cond:
-            t0 = time.monotonic()
+            t0, m, waiting = time.monotonic(), self._core.metrics, 0
             try:
                 while True:
                     groups = self._core.try_get(num_groups, step)
                     if groups is not None:
                         self._cond.notify_all()  # room for waiting puts
                         return groups
+                    m.waiting_gets += 1 - waiting  # counted once, however often it wakes
+                    waiting = 1
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         hint = " (the --buffer-filter-path picked fewer)" if self._settings.filter_path else ""
@@ -100,7 +105,8 @@ class BufferActor:
                     except TimeoutError:
                         pass  # look once more, then fail above
             finally:
-                self._core.metrics.get_wait_s += time.monotonic() - t0
+                m.waiting_gets -= waiting
+                m.get_wait_s += time.monotonic() - t0
 
     async def set_weight_version(self, v: int) -> None:
         """The policy's current weight version (groups beyond the staleness bound are pruned)."""
@@ -111,20 +117,39 @@ class BufferActor:
     async def get_weight_version(self) -> int:
         return self._core.version
 
-    async def take_returned(self, max_groups: int) -> list[list[Sample]]:
-        """Stale groups set aside for regeneration (``--stale-policy return``), for good."""
+    async def wait_weight_version(self, v: int, timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``) until the weight version is >= ``v``; returns the version
+        then (lower than ``v`` on timeout). Producers use it to stay within the staleness bound."""
         async with self._cond:
-            return self._core.take_returned(max_groups)
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self._core.version >= v), timeout_s)
+            except TimeoutError:
+                pass
+            return self._core.version
+
+    async def known_put_ids(self) -> list[str]:
+        """The put ids a retried put would be recognised by, oldest first."""
+        return self._core.known_put_ids()
+
+    async def take_returned(self, max_groups: int, request_id: str | None = None) -> list[list[Sample]]:
+        """Stale groups set aside for regeneration (``--stale-policy return``), for good; a retry
+        with the same ``request_id`` gets the same groups (``BufferCore.take_returned``)."""
+        async with self._cond:
+            return self._core.take_returned(max_groups, request_id)
 
     async def commit(self, step: int) -> None:
         """The trainer's checkpoint of ``step`` is durable: consumption by steps <= step is final."""
         async with self._cond:
             self._core.commit(step)
 
-    async def rewind(self, step: int) -> int:
-        """Resume from the checkpoint of ``step``: groups of later steps go back to the front."""
+    async def rewind(self, step: int, weight_version: int | None = None,
+                     forget_put_ids: list[str] | None = None) -> int:
+        """Resume from the checkpoint of ``step``: groups of later steps go back to the front; the
+        version goes back to the checkpoint's ``weight_version``; the groups of ``forget_put_ids``
+        (puts the checkpoint does not cover) are dropped and their ids forgotten
+        (``BufferCore.rewind``). Idempotent."""
         async with self._cond:
-            n = self._core.rewind(step)
+            n = self._core.rewind(step, weight_version, forget_put_ids)
             self._cond.notify_all()
             return n
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from buffer.interfaces import STALE_POLICIES, BufferSettings, load_filter
+from buffer.settings import STALE_POLICIES, BufferSettings, load_filter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,9 @@ This is the on-disk format of buffer snapshots, debug rollout dumps and standalo
 output. Ragged fields (tokens, loss masks, log-probs, weight versions) are Arrow list columns
 built from numpy buffers (no per-element Python work); polymorphic fields (prompt, label,
 metadata, dict rewards) are JSON strings so any JSON value round-trips, unicode included.
+slime's other Sample fields and the attributes plugins add go into one JSON column, ``extra``,
+holding only what differs from the defaults (null for most samples); values that JSON cannot hold
+(tensors become lists first) are left out. Files written before that column existed still read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from buffer.sample import Sample, Status
+from buffer.sample import SAMPLE_FIELDS, PrefixCacheInfo, Sample, SpecInfo, Status
 
 SCHEMA = pa.schema([
     ("group", pa.int64()),  # position of the sample's group in this batch/file
@@ -34,7 +37,14 @@ SCHEMA = pa.schema([
     ("reward_dict", pa.string()),  # JSON, for dict rewards
     ("status", pa.string()),
     ("weight_versions", pa.list_(pa.int64())),
+    ("extra", pa.string()),  # JSON: slime's other fields and plugin attributes that are not defaults
 ])
+_OPTIONAL = {"extra"}  # absent from files written before it existed
+_BASE_FIELDS = {"group_index", "index", "prompt", "label", "metadata", "tokens", "response", "response_length",
+                "loss_mask", "rollout_log_probs", "reward", "status", "weight_versions"}
+_DEFAULTS = Sample()
+# slime's fields beyond the base columns, with their defaults (checked per sample: keep it cheap)
+_EXTRA_FIELDS = tuple((k, getattr(_DEFAULTS, k)) for k in SAMPLE_FIELDS - _BASE_FIELDS)
 
 
 def _dumps(v: Any) -> str:
@@ -51,6 +61,37 @@ def _ragged(values: list[list | None], dtype: np.dtype, arrow_type: pa.DataType)
     mask = np.fromiter((v is None for v in values), dtype=bool, count=len(values))
     offs = pa.array(offsets, type=pa.int32(), mask=np.append(mask, False) if mask.any() else None)
     return pa.ListArray.from_arrays(offs, pa.array(flat, type=arrow_type))
+
+
+def _extra(s: Sample) -> str | None:
+    """JSON of the fields beyond the base columns that differ from their defaults (and of the
+    attributes a plugin added), or None."""
+    d = vars(s)
+    changed = [k for k, default in _EXTRA_FIELDS if d[k] is not default and d[k] != default]
+    if len(d) > len(SAMPLE_FIELDS):
+        changed += [k for k in d if k not in SAMPLE_FIELDS]
+    if not changed:
+        return None
+    out = {}
+    for k in changed:
+        v = d[k]
+        if k in ("spec_info", "prefix_cache_info"):
+            v = v.to_dict()
+        try:
+            out[k] = json.loads(json.dumps(_plain(v), ensure_ascii=False))
+        except (TypeError, ValueError):  # not JSON (an object of the plugin's): not persisted
+            continue
+    return _dumps(out) if out else None
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def groups_to_record_batch(groups: list[list[Sample]]) -> pa.RecordBatch:
@@ -75,6 +116,7 @@ def groups_to_record_batch(groups: list[list[Sample]]) -> pa.RecordBatch:
                                 type=pa.string()),
         "status": pa.array([Status(s.status).value for s in samples], type=pa.string()),
         "weight_versions": _ragged([s.weight_versions for s in samples], np.int64, pa.int64()),
+        "extra": pa.array([_extra(s) for s in samples], type=pa.string()),
     }
     return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
 
@@ -92,7 +134,7 @@ def record_batch_to_groups(batch: pa.RecordBatch | pa.Table) -> list[list[Sample
     """Convert a record batch (or table) written by ``groups_to_record_batch`` back to groups."""
     if isinstance(batch, pa.Table):
         batch = batch.combine_chunks()
-    missing = [n for n in SCHEMA.names if n not in batch.schema.names]
+    missing = [n for n in SCHEMA.names if n not in batch.schema.names and n not in _OPTIONAL]
     if missing:
         raise ValueError(f"not a Reservoir sample table: missing column(s) {missing}")
     get = lambda name: batch.column(name).to_pylist()  # noqa: E731
@@ -102,6 +144,7 @@ def record_batch_to_groups(batch: pa.RecordBatch | pa.Table) -> list[list[Sample
     prompt, label, meta = get("prompt"), get("label"), get("metadata")
     response, rlen, reward, rdict, status = (get("response"), get("response_length"), get("reward"),
                                              get("reward_dict"), get("status"))
+    extra = get("extra") if "extra" in batch.schema.names else [None] * batch.num_rows
     groups: list[list[Sample]] = []
     last = None
     for i in range(batch.num_rows):
@@ -110,6 +153,13 @@ def record_batch_to_groups(batch: pa.RecordBatch | pa.Table) -> list[list[Sample
                    response_length=rlen[i], loss_mask=loss_mask[i], rollout_log_probs=logps[i],
                    reward=json.loads(rdict[i]) if rdict[i] is not None else reward[i],
                    status=Status(status[i]), weight_versions=versions[i] or [])
+        if extra[i] is not None:
+            for k, v in json.loads(extra[i]).items():
+                if k == "spec_info":
+                    v = SpecInfo.from_dict(v)
+                elif k == "prefix_cache_info":
+                    v = PrefixCacheInfo.from_dict(v)
+                setattr(s, k, v)
         if group[i] != last:
             groups.append([])
             last = group[i]

@@ -21,11 +21,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from buffer.interfaces import BufferSettings
+from buffer.settings import BufferSettings
 from buffer.metrics import BufferMetrics
 from buffer.sample import Sample, check_group, group_oldest_version
 
 PUT_ID_MEMORY = 10_000  # put_ids remembered for idempotent retries (the most recent ones)
+_TAKES_KEPT = 16  # take_returned request ids remembered for retries (the most recent ones)
 
 
 @dataclass(eq=False)
@@ -73,6 +74,8 @@ class BufferCore:
         self._version = 0
         self._next_gid = 0
         self._put_ids: OrderedDict[str, int] = OrderedDict()
+        # request id -> the groups a take_returned call with that id handed out (a retried call gets them again)
+        self._takes: OrderedDict[str, list[list[Sample]]] = OrderedDict()
         self._calls = 0  # get calls that handed out groups: the filter's rollout_id without a step
         self.metrics = BufferMetrics()
 
@@ -144,6 +147,8 @@ class BufferCore:
         not enough (or the filter picked fewer). With ``step`` the groups are leased to that step
         until ``commit``; without, they are consumed for good."""
         self.check_get(num_groups)
+        if step is not None and step in self._leases:
+            return self._repeat_get(num_groups, step)
         if len(self._queue) < num_groups:
             return None
         if self._filter is None:
@@ -161,6 +166,16 @@ class BufferCore:
         if step is None:
             self._compact()
         return [e.group for e in picked]
+
+    def _repeat_get(self, num_groups: int, step: int) -> list[list[Sample]]:
+        """A second ``get(step=k)`` before ``rewind``: a retry whose first reply was lost (the
+        buffer restarted, the caller's connection dropped). It gets the same batch, not a second."""
+        leased = self._leases[step]
+        if len(leased) != num_groups:
+            raise ValueError(f"get(step={step}) of {num_groups} groups: step {step} already took "
+                             f"{len(leased)} groups (a retry must ask for the same number)")
+        self.metrics.repeated_gets += 1
+        return [e.group for e in leased]
 
     def _run_filter(self, rollout_id: int, num_groups: int) -> list[Entry] | None:
         candidates = list(self._queue.values())
@@ -180,13 +195,19 @@ class BufferCore:
             raise RuntimeError(f"{where} returned {len(picked)} groups, {num_groups} were asked for")
         return picked if len(picked) == num_groups else None
 
-    def take_returned(self, max_groups: int) -> list[list[Sample]]:
-        """Hand out (for good) up to ``max_groups`` stale groups set aside by policy "return"."""
+    def take_returned(self, max_groups: int, request_id: str | None = None) -> list[list[Sample]]:
+        """Hand out (for good) up to ``max_groups`` stale groups set aside by policy "return".
+
+        ``request_id``: a call retried with the same id (its answer lost in a restart of the
+        buffer) gets the same groups again, also after a crash replayed the journal; the last
+        ``_TAKES_KEPT`` ids are remembered (a compaction of the journal in between forgets them)."""
         if not isinstance(max_groups, int) or max_groups < 0:
             raise ValueError(f"take_returned: max_groups must be an int >= 0, got {max_groups!r}")
+        if request_id is not None and request_id in self._takes:
+            return self._takes[request_id]
         picked = list(itertools.islice(self._returned.values(), max_groups))
         if picked:
-            self._record({"op": "take_returned", "gids": [e.gid for e in picked]})
+            self._record({"op": "take_returned", "gids": [e.gid for e in picked], "request": request_id})
             self.metrics.taken_returned += len(picked)
             self._compact()
         return [e.group for e in picked]
@@ -198,8 +219,7 @@ class BufferCore:
 
     def set_version(self, version: int) -> None:
         """The policy's current weight version; groups that fall out of the bound are pruned."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"set_weight_version: expected an int >= 0, got {version!r}")
+        _check_version(version, "set_weight_version")
         if version != self._version:
             self._record({"op": "version", "v": version})
             self._prune_stale()
@@ -212,18 +232,47 @@ class BufferCore:
             self._compact()
         self.metrics.commits += 1
 
-    def rewind(self, step: int) -> int:
+    def rewind(self, step: int, weight_version: int | None = None,
+               forget_put_ids: list[str] | None = None) -> int:
         """Resume from the checkpoint of ``step``: leases of steps <= step become final, groups
-        leased to later steps return to the front of the queue in put order. Returns how many."""
+        leased to later steps return to the front of the queue in put order. Returns how many.
+
+        ``weight_version``: the checkpoint's weight version, which the buffer's version goes back
+        to *before* the staleness bound is applied (the buffer may have recorded later versions
+        that the checkpoint lost; rewound groups are judged against the checkpoint's policy).
+        ``forget_put_ids``: puts the checkpoint does not cover (their data is generated again):
+        their groups are dropped wherever they wait (``drops["rewound"]``) and the ids forgotten,
+        so the regenerated puts under the same ids are stored. Idempotent.
+        """
         self._check_step(step, "rewind")
-        back = sum(len(es) for s, es in self._leases.items() if s > step)
+        if weight_version is not None:
+            _check_version(weight_version, "rewind: weight_version")
+        rewound = {e.gid for s, es in self._leases.items() if s > step for e in es}
+        changed = False
+        if weight_version is not None and weight_version != self._version:
+            self._record({"op": "version", "v": weight_version})
+            changed = True
         if self._leases:
             self._record({"op": "rewind", "step": step})
+            changed = True
+        forget = sorted(set(forget_put_ids or ()) & set(self._put_ids))
+        gone: list[int] = []
+        if forget:
+            gone = [e.gid for e in [*self._queue.values(), *self._returned.values()] if e.put_id in forget]
+            self._record({"op": "forget", "put_ids": forget, "gids": gone, "before_gid": self._next_gid})
+            self.metrics.drops["rewound"] += len(gone)
+            changed = True
+        if changed:
             self._prune_stale()
             self._compact()
+        back = len(rewound - set(gone))
         self.metrics.rewinds += 1
         self.metrics.rewound_groups += back
         return back
+
+    def known_put_ids(self) -> list[str]:
+        """The put ids a retry would be recognised by (the most recent ``PUT_ID_MEMORY``), oldest first."""
+        return list(self._put_ids)
 
     @staticmethod
     def _check_step(step: int, what: str) -> None:
@@ -267,7 +316,12 @@ class BufferCore:
             for e in self._pop(self._queue, rec["gids"]):
                 self._returned[e.gid] = e
         elif op == "take_returned":
-            self._finalize(self._pop(self._returned, rec["gids"]))
+            taken = self._pop(self._returned, rec["gids"])
+            if rec.get("request") is not None:
+                self._takes[rec["request"]] = [e.group for e in taken]
+                while len(self._takes) > _TAKES_KEPT:
+                    self._takes.popitem(last=False)
+            self._finalize(taken)
         elif op == "commit":
             self._commit_leases(rec["step"])
         elif op == "rewind":
@@ -277,6 +331,15 @@ class BufferCore:
             for e in reversed(back):  # each to the front: they end up first, in put order
                 self._queue[e.gid] = e
                 self._queue.move_to_end(e.gid, last=False)
+        elif op == "forget":
+            self._finalize([*self._pop(self._queue, rec["gids"]), *self._pop(self._returned, rec["gids"])])
+            for put_id in rec["put_ids"]:
+                # At replay, groups put again after the forget (gid >= before_gid) keep their id known.
+                again = sum(1 for e in self.live_entries() if e.put_id == put_id and e.gid >= rec["before_gid"])
+                if again:
+                    self._put_ids[put_id] = again
+                else:
+                    self._put_ids.pop(put_id, None)
         elif op == "version":
             self._version = rec["v"]
         elif op == "state":
@@ -372,3 +435,8 @@ class BufferCore:
                  returned_groups=len(self._returned), weight_version=self._version,
                  bytes_on_disk=self._journal.bytes_on_disk() if self._journal is not None else 0)
         return m
+
+
+def _check_version(version: int, what: str) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"{what}: expected an int >= 0, got {version!r}")

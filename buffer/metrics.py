@@ -38,8 +38,11 @@ class BufferMetrics:
     commits: int = 0
     rewinds: int = 0
     rewound_groups: int = 0
+    repeated_gets: int = 0  # get(step=k) retries answered with step k's batch (not a second batch)
     put_wait_s: float = 0.0  # time puts spent waiting for room (back-pressure)
     get_wait_s: float = 0.0  # time gets spent waiting for eligible groups
+    waiting_puts: int = 0  # put calls waiting for room now (a gauge: tests and dashboards see back-pressure)
+    waiting_gets: int = 0  # get calls waiting for eligible groups now (a gauge)
     recovered_groups: int = 0  # live groups found on disk at start-up
 
     def reject(self, err: ValueError, num_groups: int, field: str | None = None) -> None:
@@ -60,6 +63,8 @@ class BufferMetrics:
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "staleness_mean": mean, "staleness_max": max(self.staleness, default=0),
             "commits": self.commits, "rewinds": self.rewinds, "rewound_groups": self.rewound_groups,
+            "repeated_gets": self.repeated_gets,
             "put_wait_s": self.put_wait_s, "get_wait_s": self.get_wait_s,
+            "waiting_puts": self.waiting_puts, "waiting_gets": self.waiting_gets,
             "recovered_groups": self.recovered_groups,
         }

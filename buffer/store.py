@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from buffer.arrow import SCHEMA, groups_to_record_batch, record_batch_to_groups
 from buffer.core import Entry
-from buffer.interfaces import BufferSettings
+from buffer.settings import BufferSettings
 
 if TYPE_CHECKING:
     from buffer.core import BufferCore

@@ -3,6 +3,9 @@
 ``load_function("my_pkg.rewards.rm", flag="--custom-rm-path")`` imports ``my_pkg.rewards`` and
 returns its attribute ``rm``. Errors name the flag and the path, and are raised at start-up
 (the launcher loads every plugin before any process starts).
+
+Plugins written for slime import ``slime.*``: unless slime is installed, ``slime_compat`` answers
+those imports (its hook is installed here, before the first plugin is imported).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ def load_function(path: str, flag: str, params: list[str] | None = None,
     if not isinstance(path, str) or "." not in path:
         raise ValueError(f"{flag} {path!r}: expected an import path like 'package.module.function'")
     module_name, _, attr = path.rpartition(".")
+    import slime_compat
+
+    slime_compat.install()
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import-time error is the user's plugin failing to load

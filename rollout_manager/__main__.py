@@ -18,8 +18,18 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from buffer.sample import TRAINABLE as _TRAINABLE
+
 from rollout_manager.arguments import add_arguments, settings_from_args, split_sglang_args
 from rollout_manager.summary import format_summary, merge_metrics
+
+
+class RunFailed(RuntimeError):
+    """The run ended without a usable result; ``metrics`` is what it did (printed as the summary)."""
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
 
 
 @dataclass
@@ -36,7 +46,7 @@ class CliSettings:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rollout_manager", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     c = CliSettings
     g = p.add_argument_group("standalone run")
     g.add_argument("--output", default=c.output, help="write the groups to this Parquet file")
@@ -80,32 +90,64 @@ async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, flo
     await manager.start()
     print(f"engines: {manager.engine_urls} behind router {manager.router_url}")
     all_groups, per_step = [], []
+    failure: str | None = None
+    key = settings.plugins.reward_key
     try:
         total = cli.num_rollout * settings.sampling.rollout_batch_size
         with tqdm(total=total, unit="group", desc="rollout") as bar:
             def on_group(group, kept):
                 if kept:
                     bar.update(1)
-                bar.set_postfix(reward=f"{sum(s.reward or 0 for s in group) / len(group):.3f}", refresh=False)
+                values = [v for v in (_reward_value(s.reward, key) for s in group) if v is not None]
+                if values:
+                    bar.set_postfix(reward=f"{sum(values) / len(values):.3f}", refresh=False)
+            from rollout_manager.rollout import RolloutFailed
             for rollout_id in range(cli.num_rollout):
-                if buffer_handle is not None:
-                    per_step.append(await manager.push(rollout_id, buffer_handle))
-                else:
-                    groups, metrics = await manager.generate(rollout_id, on_group=on_group)
-                    all_groups += groups
-                    per_step.append(metrics)
+                try:
+                    if buffer_handle is not None:
+                        per_step.append(await manager.push(rollout_id, buffer_handle))
+                    else:
+                        groups, metrics = await manager.generate(rollout_id, on_group=on_group)
+                        all_groups += groups
+                        per_step.append(metrics)
+                except RolloutFailed as e:
+                    per_step.append(e.metrics)
+                    failure = str(e)
+                    break
                 bar.n = min(total, (rollout_id + 1) * settings.sampling.rollout_batch_size)
                 bar.refresh()
         metrics = merge_metrics(per_step)
-        if cli.evaluate:
+        if cli.evaluate and failure is None:
             metrics.update(await manager.evaluate(cli.num_rollout))
     finally:
         await manager.shutdown()
     if cli.output is not None:
         size = write_parquet(all_groups, cli.output)
         print(f"wrote {len(all_groups)} groups ({sum(map(len, all_groups))} samples, {size} bytes) to {cli.output}")
+    if failure is None and _nothing_succeeded(all_groups if cli.output is not None else None, metrics):
+        failure = "no sample succeeded" + (f" ({_top_failures(metrics)})" if _top_failures(metrics) else "")
+    if failure is not None:
+        raise RunFailed(failure, metrics)
     print(format_summary(metrics))
     return metrics
+
+
+def _reward_value(reward, key):
+    if isinstance(reward, dict):
+        reward = reward.get(key) if key is not None else None
+    return float(reward) if isinstance(reward, (int, float)) else None
+
+
+def _nothing_succeeded(groups, metrics: dict[str, float]) -> bool:
+    if groups is not None:
+        return not any(s.status in _TRAINABLE for g in groups for s in g)
+    n = metrics.get("rollout/num_samples")  # pushed to a buffer: only the counts are here
+    return n is not None and (n == 0 or metrics.get("rollout/failed_frac", 0.0) >= 1.0)
+
+
+def _top_failures(metrics: dict[str, float]) -> str:
+    failures = sorted(((v, k.split("failures/", 1)[1]) for k, v in metrics.items() if "/failures/" in k), reverse=True)
+    return ", ".join(f"{reason} x{int(n)}" for n, reason in failures[:3])
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -115,6 +157,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(ours)
     try:
         return asyncio.run(run(args, sglang_args))
+    except RunFailed as e:  # the summary of what was done, then one line saying why, exit status 1
+        print(format_summary(e.metrics))
+        print(f"python -m rollout_manager: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except ValueError as e:  # configuration errors: one line naming the flag, no traceback
         parser.error(str(e))
         raise

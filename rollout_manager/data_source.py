@@ -1,7 +1,8 @@
 """Prompt data: load jsonl/Parquet prompts, validate them line by line, and serve groups.
 
 ``load_prompts`` reads a file into ``PromptRecord``s (prompt token ids computed once, with the
-tokenizer's chat template when asked). A bad line (not UTF-8, malformed JSON, a missing key, an
+tokenizer's chat template when asked; the record's ``prompt``, and so ``Sample.prompt``, is then
+the templated text the ids encode, as in slime). A bad line (not UTF-8, malformed JSON, a missing key, an
 empty prompt, a prompt over ``--rollout-max-prompt-len``) is reported with its line number and
 reason, skipped and counted; with ``--strict-data`` it is a ``ValueError`` instead.
 
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PromptRecord:
-    """One validated prompt: the original prompt (text or messages), its label, metadata and ids."""
+    """One validated prompt: its text (templated with ``--apply-chat-template``, else as given), its
+    label, metadata and token ids."""
 
     prompt: str | list[dict[str, Any]]
     label: Any
@@ -127,12 +129,14 @@ def load_prompts(path: str | Path, settings: DataSettings, tokenizer: Any,
             _skip(report, settings, flag, line, str(e))
     # One batched call: fast tokenizers encode thousands of prompts in milliseconds.
     ids = tokenizer([p[4] for p in parsed], add_special_tokens=False)["input_ids"] if parsed else []
-    for (line, prompt, label, metadata, _), input_ids in zip(parsed, ids):
+    for (line, prompt, label, metadata, text), input_ids in zip(parsed, ids):
         if settings.rollout_max_prompt_len is not None and len(input_ids) > settings.rollout_max_prompt_len:
             _skip(report, settings, flag, line, f"prompt too long: {len(input_ids)} tokens > "
                   f"--rollout-max-prompt-len {settings.rollout_max_prompt_len}")
             continue
-        records.append(PromptRecord(prompt, label, metadata, list(input_ids)))
+        # the samples carry the text the ids encode: the templated text with --apply-chat-template (slime's)
+        records.append(PromptRecord(text if settings.apply_chat_template else prompt, label, metadata,
+                                    list(input_ids)))
     report.loaded = len(records)
     if report.skipped:
         log.warning("%s: skipped %d bad line(s): %s", path, len(report.skipped), report.skipped_by_reason)

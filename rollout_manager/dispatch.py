@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rollout_manager.engine_client import EngineClient, new_session
+from sglang_protocol.client import EngineClient, new_session
 
 
 class Dispatcher:
     """Picks the client for one request; counts samples in flight per engine (direct mode)."""
 
     def __init__(self, router: EngineClient, live_urls: Callable[[], list[str]], direct: bool,
-                 timeout: float | None):
+                 timeout: float | None, api_key: str | None = None, admin_api_key: str | None = None):
+        """``api_key`` / ``admin_api_key``: the engines' keys (``EngineFleetSettings``), sent by the
+        clients of direct mode."""
         self.router, self.live_urls, self.direct, self.timeout = router, live_urls, direct, timeout
+        self.api_key, self.admin_api_key = api_key, admin_api_key
         self._session = new_session() if direct else None
         self._clients: dict[str, EngineClient] = {}
         self.inflight: dict[str, int] = {}
@@ -36,7 +39,8 @@ class Dispatcher:
         url = min(candidates, key=lambda u: self.inflight.get(u, 0))
         client = self._clients.get(url)
         if client is None:
-            client = self._clients[url] = EngineClient(url, timeout=self.timeout, session=self._session)
+            client = self._clients[url] = EngineClient(url, timeout=self.timeout, session=self._session,
+                                                       api_key=self.api_key, admin_api_key=self.admin_api_key)
         return url, client
 
     def started(self, url: str, samples: int = 1) -> None:

@@ -23,9 +23,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from buffer.sample import Sample, Status
+from buffer.sample import Sample, Status, parse_weight_version  # noqa: F401 (re-exported for plugins)
 from rollout_manager.dispatch import Dispatcher
-from rollout_manager.engine_client import EngineClient, EngineError, batch_rids
+from sglang_protocol.client import EngineClient, EngineError, batch_rids
 from rollout_manager.rewards import Rewarder, mark_failed
 from rollout_manager.settings import RolloutSettings
 
@@ -34,13 +34,15 @@ from rollout_manager.settings import RolloutSettings
 class RolloutStats:
     """Counters of one rollout step (or evaluation)."""
 
-    requests: int = 0  # /generate calls (a group request counts once)
+    requests: int = 0  # /generate calls of the default generate (a group request counts once)
     retries: int = 0  # /generate calls retried after an engine error
     aborted_requests: int = 0  # samples whose segment came back aborted (per sample in both granularities)
     generated_tokens: int = 0
     dropped_groups: int = 0  # removed by the dynamic sampling filter
     returned_groups: int = 0  # given back to the data source unfinished
-    failures: Counter = field(default_factory=Counter)
+    failed_groups: int = 0  # every sample failed: not kept (failures say why)
+    failures: Counter = field(default_factory=Counter)  # samples (or, for filters, groups) by reason
+    drop_reasons: Counter = field(default_factory=Counter)  # DynamicFilterOutput.reason of dropped groups
 
 
 @dataclass
@@ -50,21 +52,51 @@ class StepState:
     stats: RolloutStats = field(default_factory=RolloutStats)
     stopping: bool = False
     inflight: set[str] = field(default_factory=set)  # request ids, for targeted aborts
+    rollout_id: int | None = None  # the step's rollout id (what --rollout-sample-hook-path hooks get)
 
 
 class SampleSlots(asyncio.Semaphore):
-    """The in-flight limit, counted in samples: ``async with`` takes one slot (a per-sample
-    request); ``acquire_many(k)`` takes ``k`` at once for a group request of ``k`` samples.
+    """The in-flight limit, counted in samples: ``acquire_many(k)`` takes ``k`` slots at once for a
+    group request of ``k`` samples; ``async with`` holds one slot for a whole block of work.
 
-    Multi-slot takers queue on a lock, so two groups each holding part of what they need can
-    never wait on each other forever; ``k`` must not exceed ``capacity`` (callers split)."""
+    ``async with`` is what the rollout wraps around each custom generate call (slime's
+    ``generate_and_rm`` holds its semaphore the same way): inside it, and in the tasks it starts,
+    the slot is *held*, and further ``async with`` / ``acquire_many`` / ``release_many`` on the same
+    slots are no-ops, so a custom generate that calls the default ``generate`` or takes the
+    semaphore itself never waits on its own slot. Multi-slot takers queue on a lock, so two groups
+    each holding part of what they need can never wait on each other forever; ``k`` must not exceed
+    ``capacity`` (callers split)."""
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.capacity = capacity
         self._many = asyncio.Lock()
 
+    def held(self) -> bool:
+        """Whether this task (or the task that started it) holds a slot through ``async with``."""
+        v = _HELD.get()
+        return v is not None and v[0] is self
+
+    async def __aenter__(self) -> None:
+        v = _HELD.get()
+        if v is not None and v[0] is self:
+            _HELD.set((self, v[1] + 1))
+            return None
+        await self.acquire()
+        _HELD.set((self, 1))
+        return None
+
+    async def __aexit__(self, *exc: Any) -> None:
+        v = _HELD.get()
+        if v is not None and v[0] is self and v[1] > 1:
+            _HELD.set((self, v[1] - 1))
+            return
+        _HELD.set(None)
+        self.release()
+
     async def acquire_many(self, k: int) -> None:
+        if self.held():
+            return
         if not 1 <= k <= self.capacity:
             raise ValueError(f"cannot take {k} of {self.capacity} in-flight slots")
         if k == 1:
@@ -77,10 +109,13 @@ class SampleSlots(asyncio.Semaphore):
                     await self.acquire()
                     got += 1
             except BaseException:  # cancelled while waiting: give back what was taken
-                self.release_many(got)
+                for _ in range(got):
+                    self.release()
                 raise
 
     def release_many(self, k: int) -> None:
+        if self.held():
+            return
         for _ in range(k):
             self.release()
 
@@ -96,16 +131,40 @@ class RolloutContext:
     engine_urls: Callable[[], list[str]]  # current engines, for aborts
     semaphore: SampleSlots  # in-flight samples across engines (a group request holds one slot per sample)
     rewarder: Rewarder
-    generate_fn: Callable  # async generate(args, sample, sampling_params) -> Sample
-    filter_fn: Callable | None  # filter(args, samples) -> bool
+    generate_fn: Callable  # async generate(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]
+    filter_fn: Callable | None  # filter(args, samples) -> bool | DynamicFilterOutput
     loop: asyncio.AbstractEventLoop
     running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while paused
     active_steps: set[int] = field(default_factory=set)  # id()s of StepStates in progress
+    tokenizer: Any = None  # encodes prompts that come without tokens (a --data-source-path class's)
+    sample_filter_fn: Callable | None = None  # --rollout-sample-filter-path: fn(args, kept_groups)
+    all_samples_fn: Callable | None = None  # --rollout-all-samples-process-path: fn(args, groups, get_samples)
+    sample_hooks: list[tuple[str, Callable]] = field(default_factory=list)  # --rollout-sample-hook-path, in order
+    paths: dict[str, str] = field(default_factory=dict)  # flag -> import path, for failure reports
 
 log = logging.getLogger(__name__)
 MAX_IDLE_ABORTS = 50  # engine-side aborts in a row without progress before a sample fails (~3 min)
 _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reservoir_rollout_context")
 _STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
+_HELD: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("reservoir_slots_held", default=None)
+# weight versions a custom generate's engine answers reported (slime_compat's http_utils.post notes them)
+_SEEN_VERSIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("reservoir_seen_versions", default=None)
+
+
+def note_weight_versions(answer: Any) -> None:
+    """Note the ``meta_info.weight_version`` of a ``/generate`` answer (one, or a batch's list) for
+    the sample being generated: the rollout tags a custom generate's sample with them if the
+    plugin recorded none itself."""
+    seen = _SEEN_VERSIONS.get()
+    if seen is None:
+        return
+    for out in answer if isinstance(answer, list) else [answer]:
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if isinstance(meta, dict) and "weight_version" in meta:
+            try:
+                seen.append(parse_weight_version(meta["weight_version"]))
+            except RuntimeError:
+                pass
 
 
 def current_context() -> RolloutContext:
@@ -139,16 +198,6 @@ def sampling_params(settings: RolloutSettings, evaluation: bool = False) -> dict
     return {"temperature": temperature, "top_p": s.rollout_top_p, "top_k": s.rollout_top_k,
             "max_new_tokens": max_len, "stop": list(s.rollout_stop), "stop_token_ids": list(s.rollout_stop_token_ids),
             "skip_special_tokens": s.rollout_skip_special_tokens, "no_stop_trim": True}
-
-
-def parse_weight_version(value: Any) -> int:
-    """SGLang reports a string; ``"default"`` (never updated) is version 0."""
-    if value is None or value == "default":
-        return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise RuntimeError(f"engine reported weight_version {value!r}, not an integer") from None
 
 
 def reset_sample(sample: Sample) -> None:

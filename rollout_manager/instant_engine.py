@@ -20,10 +20,10 @@ import argparse
 import asyncio
 import random
 
-import orjson
 from aiohttp import web
 
-from rollout_manager.engine_client import batch_rids
+from sglang_protocol.client import batch_rids
+from sglang_protocol.net import dumps_bytes, loads
 
 
 class InstantEngine:
@@ -42,13 +42,13 @@ class InstantEngine:
 
     @staticmethod
     def _json(obj: object) -> web.Response:
-        return web.Response(body=orjson.dumps(obj), content_type="application/json")
+        return web.Response(body=dumps_bytes(obj), content_type="application/json")
 
     async def generate(self, request: web.Request) -> web.Response:
         """One prompt, or SGLang's batch form (``input_ids`` list of lists, ``rid`` a string expanded
         to ``f"{rid}_{i}"`` or a list, ``sampling_params``/``return_logprob`` shared or lists): a
         batch answers a list in order, each element abortable by its own rid."""
-        body = orjson.loads(await request.read())
+        body = loads(await request.read())
         ids = body.get("input_ids")
         if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
             return self._json(await self._one(body.get("rid"), ids or [], body.get("sampling_params") or {},
@@ -95,7 +95,7 @@ class InstantEngine:
         return {"text": "", "output_ids": ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read() or b"{}")
+        body = loads(await request.read() or b"{}")
         targets = list(self.inflight) if body.get("abort_all") else [body.get("rid")]
         for rid in targets:
             if rid in self.inflight:
@@ -124,13 +124,10 @@ class InstantEngine:
                            "tp_size": 1, "weight_version": self.weight_version})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
+        body = loads(await request.read())
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         return self._json({"success": True, "message": "weight version set (no weights here)"})
-
-    async def weight_version_route(self, request: web.Request) -> web.Response:
-        return self._json({"weight_version": self.weight_version})
 
 
 def build_app(engine: InstantEngine) -> web.Application:
@@ -142,14 +139,15 @@ def build_app(engine: InstantEngine) -> web.Application:
         web.post("/flush_cache", engine.ok), web.get("/flush_cache", engine.ok),
         web.get("/model_info", engine.model_info), web.get("/get_model_info", engine.model_info),
         web.get("/server_info", engine.server_info), web.get("/get_server_info", engine.server_info),
-        web.get("/get_weight_version", engine.weight_version_route),
         web.post("/update_weights_from_disk", engine.update_weights_from_disk),
     ])
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The instant engine's flags (no abbreviations: a prefix of a flag is an error, not that flag)."""
+    ap = argparse.ArgumentParser(prog="python -m rollout_manager.instant_engine", allow_abbrev=False,
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model-path", required=True, help="reported to the router (it loads the tokenizer)")
@@ -160,7 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-ids", default=None, help="comma-separated ids to answer instead (overrides "
                     "--token-id/--num-tokens)")
     ap.add_argument("--weight-version", default="0")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     try:
         import uvloop
         uvloop.install()

@@ -2,8 +2,13 @@
 
 ``RolloutManager`` is an asyncio object (create and use it inside one event loop); the launcher
 runs it in its own process through ``RolloutManagerActor`` (a Ray async actor with the same
-methods, plus ``run_async`` that keeps producing into the buffer). Plugins are loaded and the
+methods). Plugins are loaded and the
 prompt file is validated in ``__init__``, so every configuration error surfaces at start-up.
+
+Plugins see ``args`` with slime's attribute names filled in (``slime_compat._args``), and a rollout
+function may return slime's ``RolloutFnTrainOutput`` / ``RolloutFnEvalOutput`` (their ``metrics``
+join the step's). After each training rollout, samples marked ``remove_sample`` get a zero loss
+mask (slime does this when it converts samples to training data), and the slime log hooks run.
 """
 
 from __future__ import annotations
@@ -12,23 +17,26 @@ import argparse
 import asyncio
 import inspect
 import logging
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from buffer.retry import call_buffer_async
 from buffer.sample import Sample
 from plugins.loader import load_function
 from rollout_manager.data_source import DataReport, DataSource, load_prompts
 from rollout_manager.dispatch import Dispatcher
-from rollout_manager.engine_client import EngineClient
+from sglang_protocol.client import EngineClient
 from rollout_manager.engines import EngineFleet
 from rollout_manager.generate import (RolloutContext, SampleSlots, StepState, generate as default_generate,
-                                      reset_sample, set_context)
+                                      reset_sample, set_context, set_step)
 from rollout_manager.rewards import Rewarder
-from rollout_manager.rollout import abort_requests, generate_rollout as default_generate_rollout, run_rollout
+from rollout_manager.rollout import (RolloutFailed, _takes_evaluation, abort_requests,
+                                     generate_rollout as default_generate_rollout, run_rollout)
 from rollout_manager.router import Router
 from rollout_manager.settings import RolloutSettings
-from rollout_manager.summary import rollout_metrics
+from rollout_manager.summary import eval_data_metrics, rollout_metrics
 
 log = logging.getLogger(__name__)
 
@@ -37,27 +45,68 @@ class RolloutManager:
     """Owns the engines, the router, the prompt data, the rollout function and the rewards."""
 
     def __init__(self, settings: RolloutSettings, args: argparse.Namespace, log_dir: str | None = None):
+        from slime_compat._args import fill_slime_args
+
         self.settings, self.args = settings, args
+        fill_slime_args(args, settings)  # slime's attribute names, before any plugin sees args
         p = settings.plugins
-        self.rollout_fn = load_function(p.rollout_function_path, "--rollout-function-path",
-                                        params=["args", "rollout_id", "data_source"])
+        self.paths = {flag: path for flag, path in (
+            ("--rollout-function-path", p.rollout_function_path),
+            ("--eval-function-path", p.eval_function_path or p.rollout_function_path),
+            ("--custom-generate-function-path", p.custom_generate_function_path),
+            ("--dynamic-sampling-filter-path", p.dynamic_sampling_filter_path),
+            ("--rollout-sample-filter-path", p.rollout_sample_filter_path),
+            ("--rollout-all-samples-process-path", p.rollout_all_samples_process_path),
+            ("--custom-rollout-log-function-path", p.custom_rollout_log_function_path),
+            ("--custom-eval-rollout-log-function-path", p.custom_eval_rollout_log_function_path),
+            ("--data-source-path", p.data_source_path)) if path}
+        rollout_params = ["args", "rollout_id", "data_source"]
+        self.rollout_fn = load_function(p.rollout_function_path, "--rollout-function-path", params=rollout_params)
+        separate_eval = p.eval_function_path and p.eval_function_path != p.rollout_function_path
+        self.eval_fn = (load_function(p.eval_function_path, "--eval-function-path", params=rollout_params)
+                        if separate_eval else self.rollout_fn)
         self.generate_fn = (load_function(p.custom_generate_function_path, "--custom-generate-function-path",
                                           params=["args", "sample", "sampling_params"], is_async=True)
                             if p.custom_generate_function_path else default_generate)
         self.filter_fn = (load_function(p.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path",
                                         params=["args", "samples"], is_async=False)
                           if p.dynamic_sampling_filter_path else None)
+        self.sample_filter_fn = self._hook("--rollout-sample-filter-path", p.rollout_sample_filter_path,
+                                           ["args", "samples"])
+        # slime's per-sample hooks, after generate and before the reward: sync or async, in order
+        self.sample_hooks = [(path, load_function(path, "--rollout-sample-hook-path", params=["args", "sample"]))
+                             for path in p.rollout_sample_hook_path]
+        self.all_samples_fn = self._hook("--rollout-all-samples-process-path", p.rollout_all_samples_process_path,
+                                         ["args", "samples", "data_source"])
+        self.rollout_log_fn = self._hook("--custom-rollout-log-function-path", p.custom_rollout_log_function_path,
+                                         ["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"])
+        self.eval_log_fn = self._hook("--custom-eval-rollout-log-function-path",
+                                      p.custom_eval_rollout_log_function_path,
+                                      ["rollout_id", "args", "data", "extra_metrics"])
         self.rewarder = Rewarder(p, args)
         if not settings.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required (its tokenizer encodes the prompts)")
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
-        if not settings.data.prompt_data:
-            raise ValueError("--prompt-data is required")
-        records, self.data_report = load_prompts(settings.data.prompt_data, settings.data, self.tokenizer)
         d = settings.data
-        self.data_source = DataSource(records, settings.sampling.n_samples_per_prompt, d.rollout_shuffle,
-                                      d.rollout_seed, d.num_epoch)
+        if p.data_source_path:  # slime's contract: the class is built with the args
+            cls = load_function(p.data_source_path, "--data-source-path", params=["args"])
+            try:
+                self.data_source = cls(args)
+            except Exception as e:
+                raise ValueError(f"--data-source-path {p.data_source_path!r}: building it with (args) failed: "
+                                 f"{type(e).__name__}: {e}") from e
+            for method in ("get_samples", "add_samples"):
+                if not callable(getattr(self.data_source, method, None)):
+                    raise ValueError(f"--data-source-path {p.data_source_path!r}: the data source has no {method}()")
+            self.data_report = getattr(self.data_source, "report", None) or DataReport(
+                d.prompt_data or p.data_source_path, loaded=_length(self.data_source))
+        else:
+            if not d.prompt_data:
+                raise ValueError("--prompt-data is required")
+            records, self.data_report = load_prompts(d.prompt_data, d, self.tokenizer)
+            self.data_source = DataSource(records, settings.sampling.n_samples_per_prompt, d.rollout_shuffle,
+                                          d.rollout_seed, d.num_epoch)
         self.eval_records = None
         self.eval_report: DataReport | None = None
         if settings.sampling.eval_prompt_data:
@@ -69,6 +118,11 @@ class RolloutManager:
         self.fleet: EngineFleet | None = None
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
+        self._last_rollout_id: int | None = None
+
+    @staticmethod
+    def _hook(flag: str, path: str | None, params: list[str]) -> Callable | None:
+        return load_function(path, flag, params=params, is_async=False) if path else None
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -80,25 +134,28 @@ class RolloutManager:
             self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
         else:
             self.router = Router.start(log_path=f"{self.log_dir}/router.log", policy=e.router_policy,
-                                       health_check_interval=e.health_check_interval)
+                                       health_check_interval=e.health_check_interval, extra_args=e.router_args)
         self.fleet = EngineFleet(self.settings, self.router, self.log_dir)
         try:
             await self.fleet.start()
         except BaseException:
             self.router.stop()
             raise
-        # slime's contract: custom generate/rollout functions find the router in args
+        # slime's contract: custom generate/rollout functions find the router (and the engine count) in args
         self.args.sglang_router_ip, self.args.sglang_router_port = self.router.host, self.router.port
+        self.args.rollout_num_engines = len(self.fleet.engines)
         s = self.settings.sampling
         self._client = EngineClient(self.router.url, timeout=s.request_timeout)
         live = lambda: [eng.url for eng in self.fleet.engines if eng.registered]  # noqa: E731
-        self._dispatcher = Dispatcher(self._client, live, s.rollout_dispatch == "direct", s.request_timeout)
+        self._dispatcher = Dispatcher(self._client, live, s.rollout_dispatch == "direct", s.request_timeout,
+                                      api_key=e.api_key, admin_api_key=e.admin_api_key)
         self.ctx = RolloutContext(
             settings=self.settings, args=self.args, client=self._client, dispatcher=self._dispatcher,
             engine_urls=lambda: self.fleet.urls,
             semaphore=SampleSlots(s.sglang_server_concurrency * len(self.fleet.engines)),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
-            loop=asyncio.get_running_loop())
+            loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
+            all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks)
         self.ctx.running.set()
         set_context(self.ctx)
 
@@ -124,46 +181,117 @@ class RolloutManager:
         if self._client is not None:
             await self._client.close()
             await self._dispatcher.close()
+        http_utils = sys.modules.get("slime_compat.utils.http_utils")
+        if http_utils is not None:  # a plugin used slime's post(): its client lives on this loop
+            await http_utils.close_http_clients()
         self.ctx = None
 
     # --- generation ----------------------------------------------------------------------
-    async def _call_rollout_fn(self, rollout_id: int, data_source: Any, evaluation: bool,
-                               on_group: Callable | None) -> tuple[list[list[Sample]], StepState | None, float]:
+    async def _call_rollout_fn(self, fn: Callable, rollout_id: int, data_source: Any, evaluation: bool,
+                               on_group: Callable | None) -> tuple[Any, StepState, float, dict[str, float]]:
+        """Run a rollout function: (groups or slime's eval data dict, step state, seconds, its metrics)."""
         ctx = self._need_started()
         set_context(ctx)
-        if self.rollout_fn is default_generate_rollout:
-            return await run_rollout(ctx, rollout_id, data_source, evaluation, on_group)
+        if fn is default_generate_rollout or getattr(fn, "_reservoir_default", False):
+            groups, step, seconds = await run_rollout(ctx, rollout_id, data_source, evaluation, on_group)
+            return groups, step, seconds, _drop_metrics(step, "eval" if evaluation else "rollout")
+        step = StepState(rollout_id=rollout_id)  # the default generate's counters, if the function uses it
+        set_step(step)
+        ctx.active_steps.add(id(step))
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        if inspect.iscoroutinefunction(self.rollout_fn):
-            groups = await self.rollout_fn(self.args, rollout_id, data_source, evaluation)
-        else:  # slime's rollout functions block: run them off the loop (the context travels along)
-            groups = await asyncio.to_thread(self.rollout_fn, self.args, rollout_id, data_source, evaluation)
-        return groups, None, loop.time() - t0
+        kwargs = {"evaluation": evaluation} if _takes_evaluation(fn) else {}
+        flag = "--eval-function-path" if evaluation else "--rollout-function-path"
+        try:
+            if inspect.iscoroutinefunction(fn):
+                out = await fn(self.args, rollout_id, data_source, **kwargs)
+            else:  # slime's rollout functions block: run them off the loop (the context travels along)
+                out = await asyncio.to_thread(fn, self.args, rollout_id, data_source, **kwargs)
+        except RolloutFailed:
+            raise
+        except Exception as e:  # one line naming the plugin; the traceback goes to the log
+            log.exception("%s %s failed on rollout %d", flag, self.paths.get(flag), rollout_id)
+            raise RolloutFailed(f"{flag} {self.paths.get(flag)!r} failed on rollout {rollout_id}: "
+                                f"{type(e).__name__}: {e}", step) from e
+        finally:
+            ctx.active_steps.discard(id(step))
+        data, metrics = _unpack_rollout_output(out, evaluation, flag, self.paths.get(flag))
+        return data, step, loop.time() - t0, metrics
 
     async def generate(self, rollout_id: int, evaluation: bool = False,
                        on_group: Callable[[list[Sample], bool], None] | None = None
                        ) -> tuple[list[list[Sample]], dict[str, float]]:
-        """One rollout step: ``--rollout-batch-size`` groups and their ``rollout/...`` metrics."""
-        groups, step, seconds = await self._call_rollout_fn(rollout_id, self.data_source, evaluation, on_group)
-        metrics = rollout_metrics(groups, step.stats if step else None, seconds, "rollout",
-                                  self.settings.plugins.reward_key)
-        metrics["rollout/data_skipped_lines"] = float(len(self.data_report.skipped))
+        """One rollout step: ``--rollout-batch-size`` groups and their ``rollout/...`` metrics.
+
+        Raises ``RolloutFailed`` (with ``metrics`` of what was done) when the step cannot fill its
+        batch because samples keep failing or the filter keeps dropping groups."""
+        self._last_rollout_id = rollout_id
+        key = self.settings.plugins.reward_key
+        try:
+            groups, step, seconds, extra = await self._call_rollout_fn(self.rollout_fn, rollout_id, self.data_source,
+                                                                       evaluation, on_group)
+        except RolloutFailed as e:
+            e.metrics = rollout_metrics([], e.step.stats if e.step else None, 0.0, "rollout", key)
+            raise
+        if isinstance(groups, dict):
+            raise RuntimeError(f"--rollout-function-path {self.paths.get('--rollout-function-path')!r} returned "
+                               "evaluation data (RolloutFnEvalOutput) for a training rollout")
+        for s in (s for g in groups for s in g):
+            if s.remove_sample and s.loss_mask is not None:  # slime: kept, but no loss on it
+                s.loss_mask = [0] * s.response_length
+        metrics = rollout_metrics(groups, step.stats, seconds, "rollout", key)
+        metrics.update(extra)
+        metrics["rollout/data_skipped_lines"] = float(len(getattr(self.data_report, "skipped", ())))
         if self.fleet is not None:
             metrics["rollout/engine_restarts"] = float(sum(e.restarts for e in self.fleet.engines))
+        if self.rollout_log_fn is not None:
+            samples = [s for g in groups for s in g]
+            if self._log_hook("--custom-rollout-log-function-path", self.rollout_log_fn, rollout_id, self.args,
+                              samples, extra or None, seconds):
+                metrics = {}  # slime: True means the hook did the logging
         return groups, metrics
 
+    def _log_hook(self, flag: str, fn: Callable, *args: Any) -> bool:
+        try:
+            return bool(fn(*args))
+        except Exception as e:  # the user's logging: reported, never fatal
+            log.warning("%s %s failed on rollout %s: %s: %s", flag, self.paths.get(flag), args[0], type(e).__name__, e)
+            return False
+
     async def evaluate(self, rollout_id: int, on_group: Callable | None = None) -> dict[str, float]:
-        """One pass over ``--eval-prompt-data``: ``eval/accuracy`` (mean reward) and friends."""
-        if self.eval_records is None:
+        """One pass over ``--eval-prompt-data`` (or whatever ``--eval-function-path`` evaluates):
+        ``eval/accuracy`` (mean reward) and friends; slime's eval data also gives ``eval/<name>``."""
+        if self.eval_records is None and self._is_default(self.eval_fn):
             raise RuntimeError("evaluate() needs --eval-prompt-data")
-        source = DataSource(self.eval_records, self.settings.sampling.n_samples_per_eval_prompt, num_epoch=1)
-        groups, step, seconds = await self._call_rollout_fn(rollout_id, source, True, on_group)
-        return rollout_metrics(groups, step.stats if step else None, seconds, "eval", self.settings.plugins.reward_key)
+        source = (DataSource(self.eval_records, self.settings.sampling.n_samples_per_eval_prompt, num_epoch=1)
+                  if self.eval_records is not None else self.data_source)
+        key = self.settings.plugins.reward_key
+        data, step, seconds, extra = await self._call_rollout_fn(self.eval_fn, rollout_id, source, True, on_group)
+        if isinstance(data, dict):  # slime's RolloutFnEvalOutput.data
+            metrics = eval_data_metrics(data, key)
+            slime_data = data
+        else:
+            metrics = rollout_metrics(data, step.stats, seconds, "eval", key)
+            slime_data = None
+        metrics.update(extra)
+        if self.eval_log_fn is not None:
+            if slime_data is None:
+                slime_data = {_eval_name(self.settings.sampling.eval_prompt_data): _slime_eval_entry(
+                    [s for g in data for s in g], key)}
+            if self._log_hook("--custom-eval-rollout-log-function-path", self.eval_log_fn, rollout_id, self.args,
+                              slime_data, extra or None):
+                metrics = {}
+        return metrics
+
+    @staticmethod
+    def _is_default(fn: Callable) -> bool:
+        return fn is default_generate_rollout or getattr(fn, "_reservoir_default", False)
 
     async def push(self, rollout_id: int, buffer_handle: Any) -> dict[str, float]:
         """Generate one step and put it into the buffer (its back-pressure makes this wait)."""
-        returned = await buffer_handle.take_returned.remote(self.settings.sampling.rollout_batch_size)
+        # retried across a buffer restart; the request id makes a retry get the same groups
+        returned = await call_buffer_async(buffer_handle, "take_returned", self.settings.sampling.rollout_batch_size,
+                                           request_id=f"rollout-{rollout_id}")
         if returned:  # stale groups the buffer gave back: regenerate them under the current weights
             for g in returned:
                 for s in g:
@@ -178,39 +306,18 @@ class RolloutManager:
                         rollout_id, len(unversioned))
             groups = [g for g in groups if all(s.weight_versions for s in g)]
         metrics["rollout/groups_not_pushed"] = float(len(unversioned))
-        import ray
-
-        put_id = f"rollout-{rollout_id}"  # the same id on a retry: the buffer stores it once
-        for attempt in range(3):
-            try:
-                await buffer_handle.put.remote(groups, put_id=put_id)
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                # the buffer actor is restarting (it recovers from disk): retry the same put_id
-                if attempt == 2:
-                    raise RuntimeError(f"buffer put of rollout {rollout_id} failed 3 times: {e}") from e
-                log.warning("buffer put of rollout %d failed (%s); retrying", rollout_id, e)
-                await asyncio.sleep(1.0 * (attempt + 1))
+        # the same put id on a retry across a buffer restart: the buffer stores it once
+        await call_buffer_async(buffer_handle, "put", groups, put_id=f"rollout-{rollout_id}")
         metrics["rollout/returned_stale_groups"] = float(len(returned or []))
         return metrics
-
-    async def run_async(self, start_rollout_id: int, num_rollout: int, buffer_handle: Any,
-                        on_step: Callable[[int, dict], None] | None = None) -> list[dict[str, float]]:
-        """Keep producing into the buffer for rollouts ``start..start+num_rollout-1`` (async training)."""
-        out = []
-        for rid in range(start_rollout_id, start_rollout_id + num_rollout):
-            m = await self.push(rid, buffer_handle)
-            out.append(m)
-            if on_step is not None:
-                on_step(rid, m)
-        return out
 
     # --- weight updates ------------------------------------------------------------------
     async def pause(self) -> None:
         """Stop sending requests and abort the running ones (they resume after ``resume``)."""
         ctx = self._need_started()
         ctx.running.clear()
-        await abort_requests(self.engine_urls, None)
+        e = self.settings.engines
+        await abort_requests(self.engine_urls, None, e.admin_api_key or e.api_key)
 
     async def resume(self) -> None:
         """Let generation continue (under the engines' new weights)."""
@@ -218,7 +325,92 @@ class RolloutManager:
 
     # --- resumption ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"data_source": self.data_source.state_dict()}
+        ds = self.data_source
+        if hasattr(ds, "state_dict"):
+            return {"data_source": ds.state_dict()}
+        if hasattr(ds, "save") and self._last_rollout_id is not None:  # slime's protocol: it saves itself
+            ds.save(self._last_rollout_id)
+        return {"data_source": None, "data_source_rollout_id": self._last_rollout_id}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.data_source.load_state_dict(state["data_source"])
+        ds = self.data_source
+        if state.get("data_source") is not None:
+            ds.load_state_dict(state["data_source"])
+        elif hasattr(ds, "load"):
+            ds.load(state.get("data_source_rollout_id"))
+
+
+def _length(ds: Any) -> int:
+    try:
+        return len(ds)
+    except TypeError:
+        return 0
+
+
+def _drop_metrics(step: StepState, prefix: str) -> dict[str, float]:
+    """slime's ``rollout/dynamic_filter/drop_<reason>`` counts."""
+    return {f"{prefix}/dynamic_filter/drop_{r}": float(n) for r, n in step.stats.drop_reasons.items()}
+
+
+def _as_groups(samples: Any, where: str) -> list[list[Sample]]:
+    """A rollout function's samples as groups: a list of groups (a group may be slime's fan-out
+    form, a list of lists, which becomes one group), or a flat list of samples (grouped by
+    ``group_index``, in order)."""
+    if not isinstance(samples, list):
+        raise TypeError(f"{where} returned {type(samples).__name__}, expected a list of groups of Samples")
+    if all(isinstance(x, Sample) for x in samples):
+        groups: list[list[Sample]] = []
+        for x in samples:
+            if groups and groups[-1][0].group_index == x.group_index and x.group_index is not None:
+                groups[-1].append(x)
+            else:
+                groups.append([x])
+        return groups
+    out = []
+    for i, g in enumerate(samples):
+        if not isinstance(g, list) or not g:
+            raise TypeError(f"{where} returned a group {i} that is {type(g).__name__}, not a non-empty list")
+        flat: list[Sample] = []
+        for part in g:
+            if isinstance(part, list):  # a fan-out: one rollout execution's samples
+                for x in part:
+                    if x.rollout_id is None:
+                        x.rollout_id = part[0].index
+                flat += part
+            else:
+                flat.append(part)
+        if not all(isinstance(x, Sample) for x in flat):
+            raise TypeError(f"{where} returned a group {i} holding {sorted({type(x).__name__ for x in flat})}")
+        out.append(flat)
+    return out
+
+
+def _unpack_rollout_output(out: Any, evaluation: bool, flag: str, path: str | None
+                           ) -> tuple[Any, dict[str, float]]:
+    """(groups, or slime's eval data dict; metrics) from a plain list or slime's output types
+    (read by their fields, so slime's own classes work as well as ``slime_compat``'s)."""
+    where = f"{flag} {path!r}"
+    metrics = {}
+    if hasattr(out, "samples"):  # RolloutFnTrainOutput
+        metrics, out = dict(getattr(out, "metrics", None) or {}), out.samples
+    elif hasattr(out, "data") and isinstance(getattr(out, "data"), dict):  # RolloutFnEvalOutput
+        metrics = dict(getattr(out, "metrics", None) or {})
+        return out.data, _numbers(metrics)
+    elif evaluation and isinstance(out, dict):  # slime's legacy eval return: the data dict itself
+        return out, {}
+    return _as_groups(out, where), _numbers(metrics)
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _eval_name(path: str | None) -> str:
+    return Path(path).stem if path else "eval"
+
+
+def _slime_eval_entry(samples: list[Sample], key: str | None) -> dict[str, Any]:
+    from buffer.sample import Status
+
+    return {"rewards": [s.reward[key] if key and isinstance(s.reward, dict) else s.reward for s in samples],
+            "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}

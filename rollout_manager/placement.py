@@ -2,20 +2,24 @@
 
 Each engine server runs as a child process of a small ``EngineHost`` actor scheduled into its
 bundle, so Ray decides the node and the GPUs (``CUDA_VISIBLE_DEVICES`` comes from the GPU ids
-Ray assigned to the host). ``RayProcess`` gives the fleet the same ``poll/kill/terminate/wait``
+Ray assigned to the host). The engine inherits the host actor's environment (the node's:
+CUDA_HOME, NCCL_*, HF_*, SGLANG_*), as a locally started engine inherits the launcher's
+(``procenv.child_environ``). ``RayProcess`` gives the fleet the same ``poll/kill/terminate/wait``
 interface as a local ``subprocess.Popen``, so monitoring and restarts are the same code.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollout_manager.procenv import child_environ
+from sglang_protocol.net import pick_port
 
 
 class EngineHost:
@@ -27,13 +31,12 @@ class EngineHost:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind((self.node_ip(), 0))
-            return s.getsockname()[1]
+    def free_port(self, start: int = 0, count: int = 1, taken: list[int] = ()) -> int:
+        """A free port on this node (``pick_port``: the OS's pick, or a block from ``start``)."""
+        return pick_port(self.node_ip(), start, count, set(taken))
 
     def start(self, cmd: list[str], env: dict[str, str], log_path: str) -> int:
-        env = dict(env)
+        env = child_environ(env)  # this node's environment, plus the engine's own variables
         gpu_ids = ray.get_gpu_ids()
         if gpu_ids:  # the GPUs Ray gave this bundle, not the ones the launcher guessed
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)

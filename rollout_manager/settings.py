@@ -23,6 +23,7 @@ class DataSettings:
     rollout_seed: int = 42
     num_epoch: int | None = None  # None: cycle through epochs forever
     rollout_max_prompt_len: int | None = None  # prompts longer (in tokens) are skipped
+    rollout_max_context_len: int | None = None  # slime's: prompt + response budget (caps the prompt at this - 1)
     strict_data: bool = False  # a bad line is an error instead of being skipped
 
 
@@ -45,7 +46,17 @@ class EngineFleetSettings:
     sglang_router_ip: str | None = None  # a running router: start none
     sglang_router_port: int | None = None
     router_policy: str = "round_robin"  # sglang-router --policy for a router started here (ROUTER_POLICIES)
-    sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as CLI tokens
+    sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as SGLang server CLI tokens
+    router_args: list[str] = field(default_factory=list)  # --sglang-router-* pass-through, as sglang-router tokens
+    # The servers' --api-key / --admin-api-key (from --sglang-api-key / --sglang-admin-api-key, or
+    # those of --engine-urls servers): every client of the engines sends them
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    # Filled by the launcher, no flags of their own: directories the embedded engines may load
+    # pushed weights from (the disk transport's, the run's output) besides the model path, and
+    # non-loopback trainer addresses they may join for weight updates (--update-weight-master-address)
+    weight_update_dirs: list[str] = field(default_factory=list)
+    weight_update_masters: list[str] = field(default_factory=list)
     engine_extra_args: str = ""  # extra flags for embedded/instant engines, e.g. "--max-running-requests 64"
     engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy
     health_check_interval: float = 2.0  # seconds between engine health checks
@@ -85,6 +96,7 @@ class SamplingSettings:
     eval_temperature: float = 0.0  # 0 = greedy
     n_samples_per_eval_prompt: int = 1
     eval_max_response_len: int | None = None  # None: rollout_max_response_len
+    eval_max_context_len: int | None = None  # slime's (plugins read it); None: rollout_max_context_len
 
 
 @dataclass
@@ -99,6 +111,19 @@ class PluginSettings:
     group_rm: bool = False
     reward_key: str | None = None
     dynamic_sampling_filter_path: str | None = None
+    # slime's other rollout-side hooks (docs/slime.md has each one's call site)
+    data_source_path: str | None = None  # a class built as cls(args); None: Reservoir's data source
+    eval_function_path: str | None = None  # the rollout function for evaluation; None: rollout_function_path
+    rollout_sample_filter_path: str | None = None  # fn(args, kept_groups): sets Sample.remove_sample
+    rollout_all_samples_process_path: str | None = None  # fn(args, all_finished_groups, get_samples)
+    custom_rollout_log_function_path: str | None = None  # fn(rollout_id, args, samples, metrics, seconds) -> bool
+    custom_eval_rollout_log_function_path: str | None = None  # fn(rollout_id, args, data, metrics) -> bool
+    custom_reward_post_process_path: str | None = None  # not supported yet: rejected at start-up
+    rollout_sample_hook_path: list[str] = field(default_factory=list)  # hook(args, sample, ...) after generate
+    # Bounds on one plugin call (seconds); a call past its bound fails its sample or group, counted
+    reward_timeout: float = 120.0  # one reward call (a sample's, or a group's with --group-rm)
+    custom_generate_timeout: float = 3600.0  # one custom generate call (it may run many turns)
+    filter_timeout: float = 120.0  # one call of a filter or a step hook (the three *-filter/process paths)
 
 
 @dataclass

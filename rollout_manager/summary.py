@@ -5,8 +5,19 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+from typing import Any
+
 from buffer.sample import Sample, Status
 from rollout_manager.generate import RolloutStats
+
+
+def _value(reward: Any, key: str | None) -> float | None:
+    """A reward as a float (``reward[key]`` for dicts); None when it cannot be read that way."""
+    if isinstance(reward, dict):
+        reward = reward.get(key) if key is not None else None
+    if isinstance(reward, (int, float)):
+        return float(reward)
+    return None
 
 
 def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seconds: float,
@@ -25,14 +36,15 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
     failures = Counter(s.metadata.get("failure_reason", "unknown") for s in samples if s.status == Status.FAILED)
     if stats is not None:
         failures.update(stats.failures)
-    generated = stats.generated_tokens if stats is not None else sum(lengths)
+    # a custom generate's or rollout function's tokens are not counted by the default generate
+    generated = stats.generated_tokens if stats is not None and stats.generated_tokens else sum(lengths)
     m: dict[str, float] = {
         "num_groups": len(groups),
         "num_samples": len(samples),
         "reward_mean": statistics.fmean(scored) if scored else float("nan"),
         "reward_std": statistics.pstdev(scored) if len(scored) > 1 else 0.0,
         "pass_rate": sum(r > 0 for r in scored) / len(scored) if scored else float("nan"),
-        "pass_at_k": (sum(any(s.reward is not None and s.scalar_reward(reward_key) > 0 for s in g) for g in groups)
+        "pass_at_k": (sum(any((_value(s.reward, reward_key) or 0) > 0 for s in g) for g in groups)
                       / len(groups)) if groups else float("nan"),
         "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
         "response_len_max": max(lengths, default=0),
@@ -47,12 +59,37 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
         m["weight_version_min"], m["weight_version_max"] = min(versions), max(versions)
     if stats is not None:
         m.update(requests=stats.requests, retries=stats.retries, aborted_requests=stats.aborted_requests,
-                 dropped_groups=stats.dropped_groups, returned_groups=stats.returned_groups)
+                 dropped_groups=stats.dropped_groups, returned_groups=stats.returned_groups,
+                 failed_groups=stats.failed_groups)
+        for reason, n in sorted(stats.drop_reasons.items()):
+            m[f"dynamic_filter/drop_{reason}"] = n
     for reason, n in sorted(failures.items()):
         m[f"failures/{reason}"] = n
     out = {f"{prefix}/{k}": float(v) for k, v in m.items()}
     if prefix == "eval":
         out["eval/accuracy"] = out["eval/reward_mean"]
+    return out
+
+
+def eval_data_metrics(data: dict[str, dict[str, Any]], reward_key: str | None = None) -> dict[str, float]:
+    """Metrics of slime's evaluation data (``RolloutFnEvalOutput.data``: dataset name ->
+    ``{"rewards", "truncated", "samples"}``): ``eval/<name>`` (mean reward, failed samples left out),
+    ``eval/<name>-truncated_ratio``, and ``eval/accuracy`` / ``eval/reward_mean`` over all datasets."""
+    out: dict[str, float] = {}
+    everything: list[float] = []
+    for name, entry in data.items():
+        rewards = [v for v in (_value(r, reward_key) for r in entry.get("rewards", [])) if v is not None]
+        everything += rewards
+        out[f"eval/{name}"] = statistics.fmean(rewards) if rewards else float("nan")
+        truncated = entry.get("truncated")
+        if truncated:
+            out[f"eval/{name}-truncated_ratio"] = sum(map(bool, truncated)) / len(truncated)
+        samples = entry.get("samples") or []
+        failed = sum(isinstance(s, Sample) and s.status == Status.FAILED for s in samples)
+        if failed:
+            out[f"eval/{name}-failed_samples"] = float(failed)
+    out["eval/num_samples"] = float(len(everything))
+    out["eval/reward_mean"] = out["eval/accuracy"] = statistics.fmean(everything) if everything else float("nan")
     return out
 
 
@@ -70,7 +107,7 @@ def merge_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
     if not per_step:
         return {}
     summed = ("num_groups", "num_samples", "requests", "retries", "aborted_requests", "dropped_groups",
-              "returned_groups", "time_s", "failures/")
+              "returned_groups", "failed_groups", "time_s", "failures/", "dynamic_filter/")
     keys = sorted({k for m in per_step for k in m})
     out = {}
     for k in keys:

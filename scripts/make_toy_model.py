@@ -105,8 +105,11 @@ def warmup(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed
     model.eval()
 
 
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "examples" / "toy" / "model"  # the toy config's path
+
+
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, type=Path, help="output directory (HF checkpoint + data/)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden-size", type=int, default=64)

@@ -26,7 +26,8 @@ class MetricsLogger:
     """Appends metric records to ``output_dir/metrics.jsonl`` and, if asked, TensorBoard/wandb."""
 
     def __init__(self, output_dir: str | Path, use_tensorboard: bool = False, use_wandb: bool = False,
-                 wandb_project: str | None = None, run_config: dict[str, Any] | None = None):
+                 wandb_project: str | None = None, run_config: dict[str, Any] | None = None,
+                 wandb_group: str | None = None, wandb_key: str | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -42,8 +43,38 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise ValueError("--use-wandb: the wandb package is not installed (pip install wandb)") from None
-            self._wandb = wandb.init(project=wandb_project or "reservoir", config=run_config or {},
-                                     dir=str(self.dir))
+            if wandb_key:  # slime's --wandb-key: log in with it instead of the stored credentials
+                wandb.login(key=wandb_key)
+            self._wandb = wandb.init(project=wandb_project or "reservoir", group=wandb_group,
+                                     config=run_config or {}, dir=str(self.dir))
+
+    def truncate_after(self, step: int) -> int:
+        """Resuming from the checkpoint of ``step``: drop the records of later steps (the resumed
+        run logs them again), and have TensorBoard purge its events of those steps. Returns how
+        many lines were dropped. A torn last line (the writer was killed mid-write) is dropped too."""
+        self._file.flush()
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                keep = json.loads(line)["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            self._file.close()
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(f"{line}\n" for line in kept))
+            tmp.replace(self.path)  # atomic: a crash now leaves the old file or the new one
+            self._file = open(self.path, "a", buffering=1)
+        if self._tb is not None:  # TensorBoard hides the earlier session's events of steps > step
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=step + 1)
+        return dropped
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: _jsonable(v) for k, v in metrics.items()}

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 set -euo pipefail
-export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1  # Ray's token auth stays on (Ray's default)
 # Ray binds every interface; keep it on loopback only (needs root; falls back to the host network).
 if unshare -n true 2>/dev/null; then
   exec unshare -n bash -c 'ip link set lo up && exec python scripts/train.py "$@"' bash \

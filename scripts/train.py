@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arguments import parse_args  # noqa: E402
-from components import Run  # noqa: E402
+from components import Run, error_line  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> Path:
         run = Run.start(args)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
     except ValueError as e:  # a bad setting found while starting a part (plugin path, prompt file, ...)
         sys.exit(f"scripts/train.py: error: {e}")
+    step = run.start_step
     try:
         if run.should_eval(run.start_step, before_train=True):
             run.evaluate(run.start_step)
@@ -37,14 +38,25 @@ def main(argv: list[str] | None = None) -> Path:
             if not run.is_async:
                 run.generate(step)  # sync: fill the buffer with this step's groups
             groups = run.get_batch(step)  # waits on the buffer (the only wait in async mode)
+            run.crash_point("after_get", step)
             run.train(step, groups)
+            run.crash_point("after_train", step)
             run.update_weights(step + 1)  # engines now serve version step+1
+            run.crash_point("after_push", step)
             run.maybe_save(step)
+            run.crash_point("after_save", step)
             if run.should_eval(step + 1):
                 run.evaluate(step + 1)
             run.log_step(step, step_time=time.perf_counter() - t0)
-    finally:
+    except (RuntimeError, TimeoutError, ValueError) as e:  # a part failed mid-run (a trainer rank died, ...)
         run.finish()
+        if "\n" in str(e).strip():  # Ray's errors run over many lines: all of it first, the verdict last
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(f"scripts/train.py: error: step {step}: {error_line(e)}\n{run.resume_hint()}")
+    except BaseException:
+        run.finish()
+        raise
+    run.finish()
     return run.output_dir
 
 

@@ -29,7 +29,6 @@ def ray_local():
     """A real local Ray cluster (loopback only: run the tests under `unshare -n`)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     tests = Path(__file__).resolve().parent
     # Workers import `buffer` (the repo) and functions defined in test modules (tests/).
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])

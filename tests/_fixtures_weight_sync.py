@@ -26,8 +26,9 @@ def ws_toy_model(tmp_path_factory) -> Path:
     return out
 
 
-def start_engines(model: Path, n: int, ports: list[int] | None = None) -> list[tuple]:
-    """Start ``n`` embedded engines on ``model`` in parallel; [(Popen, url)]. The caller stops them."""
+def start_engines(model: Path, n: int, ports: list[int] | None = None, weight_update_dirs: str = "") -> list[tuple]:
+    """Start ``n`` embedded engines on ``model`` in parallel; [(Popen, url)]. The caller stops them.
+    ``weight_update_dirs``: where ``/update_weights_from_disk`` may load from besides the model."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rollout_manager.engine.launch import launch_engine_process
@@ -36,7 +37,8 @@ def start_engines(model: Path, n: int, ports: list[int] | None = None) -> list[t
     ports = ports or [0] * n
     with ThreadPoolExecutor(n) as ex:
         return list(ex.map(lambda p: launch_engine_process(
-            EngineSettings(model_path=str(model), port=p, num_threads=1, max_running_requests=8), timeout_s=120),
+            EngineSettings(model_path=str(model), port=p, num_threads=1, max_running_requests=8,
+                           weight_update_dirs=weight_update_dirs), timeout_s=120),
             ports))
 
 

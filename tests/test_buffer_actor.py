@@ -23,6 +23,9 @@ from _fixtures_buffer import ids, make_group, ray_local  # noqa: F401  (fixture)
 from buffer import BufferSettings, create_buffer, get_buffer
 
 
+DEADLINE_S = 90.0  # a bound on a hang, never a measurement
+
+
 @pytest.fixture
 def name(request) -> str:
     return f"buf-{request.node.name}"
@@ -49,20 +52,30 @@ def test_found_by_name_from_another_process(ray_local, name):
         get_buffer("nope")
 
 
+def _until_waiting(ray, h, key: str, n: int) -> None:
+    """Return once ``n`` calls wait in the actor (its ``waiting_puts``/``waiting_gets`` gauge)."""
+    deadline = time.monotonic() + DEADLINE_S  # a bound on a hang only; the condition is the event
+    while ray.get(h.metrics.remote())[key] != n:
+        assert time.monotonic() < deadline, f"{key} never reached {n}"
+        time.sleep(0.01)
+
+
 def test_get_waits_for_puts_and_times_out(ray_local, name):
     ray = ray_local
     h = create_buffer(name, BufferSettings())
-    pending = h.get.remote(2, timeout_s=30)
-    time.sleep(0.3)
+    pending = h.get.remote(2, timeout_s=DEADLINE_S)
+    _until_waiting(ray, h, "waiting_gets", 1)
     ray.get(h.put.remote([make_group(0)]))
-    ready, _ = ray.wait([pending], timeout=0.3)
-    assert not ready  # one group is not enough
+    # one group is not enough: the get takes both or nothing, so the group stays queued and it waits on
+    m = ray.get(h.metrics.remote())
+    assert m["size"] == 1 and m["waiting_gets"] == 1 and m["gets"] == 0
+    assert not ray.wait([pending], timeout=0)[0]
     ray.get(h.put.remote([make_group(1)]))
-    assert ids(ray.get(pending, timeout=10)) == [0, 1]
-    t0 = time.monotonic()
+    assert ids(ray.get(pending, timeout=DEADLINE_S)) == [0, 1]
     with pytest.raises(TimeoutError, match="0 eligible groups available"):
         ray.get(h.get.remote(1, timeout_s=0.3))
-    assert time.monotonic() - t0 < 5
+    m = ray.get(h.metrics.remote())
+    assert m["waiting_gets"] == 0 and m["gets"] == 1
 
 
 def test_back_pressure(ray_local, name):
@@ -71,14 +84,14 @@ def test_back_pressure(ray_local, name):
     ray.get(h.put.remote([make_group(0), make_group(1)]))
     with pytest.raises(TimeoutError, match="--buffer-capacity 2"):
         ray.get(h.put.remote([make_group(2)]))
-    waiting = h.put.remote([make_group(3)], timeout_s=30)
-    time.sleep(0.3)
-    assert ray.get(h.size.remote()) == 2
+    waiting = h.put.remote([make_group(3)], timeout_s=DEADLINE_S)
+    _until_waiting(ray, h, "waiting_puts", 1)
+    assert ray.get(h.size.remote()) == 2 and not ray.wait([waiting], timeout=0)[0]
     assert ids(ray.get(h.get.remote(1))) == [0]
-    assert ray.get(waiting, timeout=10) == 1
+    assert ray.get(waiting, timeout=DEADLINE_S) == 1
     assert ids(ray.get(h.get.remote(2))) == [1, 3]
     m = ray.get(h.metrics.remote())
-    assert m["put_wait_s"] > 0.2 and m["size"] == 0
+    assert m["waiting_puts"] == 0 and m["put_wait_s"] > 0 and m["size"] == 0 and m["puts"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +197,6 @@ def test_concurrent_producers_and_consumers(ray_local, name):
 
 
 # --- crash: SIGKILL of the actor's process ------------------------------------------------
-DEADLINE_S = 90.0
 
 
 def _retry(fn, what: str, deadline: float):

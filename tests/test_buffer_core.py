@@ -231,3 +231,44 @@ def test_bad_settings_name_flags():
                      ({"n_samples_per_prompt": 0}, "--n-samples-per-prompt")]:
         with pytest.raises(ValueError, match=flag):
             BufferSettings(**kw).validate()
+
+
+def test_rewind_goes_back_to_the_checkpoints_version_before_judging_staleness():
+    """Issue 16 item 1: after a crash the buffer's version is ahead of the checkpoint; rewound
+    groups must be judged against the checkpoint's version, or they are dropped as stale."""
+    c = core(max_weight_staleness=0)
+    c.set_version(3)
+    c.put([make_group(i, version=3) for i in range(2)], put_id="rollout-3")
+    assert ids(c.try_get(2, step=3)) == [0, 1]
+    c.set_version(5)  # steps 3 and 4 pushed, never checkpointed
+    assert c.rewind(2, weight_version=3) == 2
+    assert c.version == 3 and c.as_metrics()["drops"] == {}
+    assert ids(c.try_get(2, step=3)) == [0, 1]
+
+
+def test_rewind_forgets_the_puts_the_checkpoint_does_not_cover():
+    c = core()
+    c.put([make_group(0)], put_id="rollout-0")
+    c.put([make_group(1)], put_id="rollout-1")
+    c.put([make_group(2, version=1)], put_id="rollout-2")
+    assert ids(c.try_get(2, step=0)) == [0, 1]  # trained by step 0, never checkpointed
+    assert c.rewind(-1, weight_version=0, forget_put_ids=["rollout-2", "rollout-9"]) == 2
+    assert c.known_put_ids() == ["rollout-0", "rollout-1"]
+    assert c.as_metrics()["drops"] == {"rewound": 1}
+    assert c.duplicate("rollout-2") is None and c.duplicate("rollout-1") == 1  # only the covered one is known
+    assert c.put([make_group(2)], put_id="rollout-2") == 1  # regenerated: stored
+    assert ids(c.try_get(3, step=0)) == [0, 1, 2]
+    assert c.rewind(-1, forget_put_ids=["rollout-2"]) == 2  # the regenerated put is forgotten again
+
+
+def test_a_repeated_get_for_a_step_returns_that_steps_batch():
+    """A get whose reply was lost (buffer restart) is retried: the same batch, not a second one."""
+    c = core()
+    c.put([make_group(i) for i in range(4)])
+    first = c.try_get(2, step=7)
+    assert c.try_get(2, step=7) == first and c.size() == 2
+    assert c.as_metrics()["repeated_gets"] == 1
+    with pytest.raises(ValueError, match="already took 2 groups"):
+        c.try_get(3, step=7)
+    c.rewind(6)
+    assert ids(c.try_get(2, step=7)) == [0, 1]

@@ -259,3 +259,35 @@ def test_unstorable_values_are_rejected_and_the_store_keeps_serving(tmp_path):
     c.put([make_group(2)], put_id="b")
     c2, _ = open_core(tmp_path)
     assert ids(c2.try_get(1)) == [2]
+
+
+def test_forgotten_put_ids_replay_and_regenerated_puts_stay_known(tmp_path):
+    """The forget record of a rewind replays after a crash; a put made again under a forgotten
+    id after it is still recognised as a duplicate after the next crash."""
+    c, _ = open_core(tmp_path)
+    c.put([make_group(0)], put_id="rollout-0")
+    c.put([make_group(1, version=2)], put_id="rollout-1")
+    c.set_version(2)
+    c.rewind(-1, weight_version=1, forget_put_ids=["rollout-1"])
+    c, _ = open_core(tmp_path)  # crash after the rewind
+    assert (c.version, c.known_put_ids(), ids(c.try_get(1))) == (1, ["rollout-0"], [0])
+    c.put([make_group(11, version=1)], put_id="rollout-1")
+    c, _ = open_core(tmp_path)  # crash after the regenerated put
+    assert c.duplicate("rollout-1") == 1
+    assert ids(c.try_get(1)) == [11]
+
+
+def test_take_returned_retried_with_its_request_id_gets_the_same_groups_after_a_crash(tmp_path):
+    """The rollout manager retries ``take_returned`` across a buffer restart: a call whose answer was
+    lost (the buffer died after journaling it) gets the same groups from the recovered buffer, and
+    a new request id gets the rest."""
+    c, _ = open_core(tmp_path, max_weight_staleness=0, stale_policy="return")
+    c.put([make_group(i) for i in range(3)])
+    c.set_version(1)  # all three stale: set aside for regeneration
+    assert ids(c.take_returned(2, request_id="rollout-7")) == [0, 1]
+    assert ids(c.take_returned(2, request_id="rollout-7")) == [0, 1]  # a retry, same process
+    c2, _ = open_core(tmp_path, max_weight_staleness=0, stale_policy="return")  # the crash: replay the journal
+    assert ids(c2.take_returned(2, request_id="rollout-7")) == [0, 1]
+    assert c2.as_metrics()["taken_returned"] == 0  # handed out once, before the crash
+    assert ids(c2.take_returned(2, request_id="rollout-8")) == [2]
+    assert ids(c2.take_returned(2)) == []

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,11 +36,15 @@ def train_cmd(model: Path, out: Path, *extra: str) -> list[str]:
             "--no-build-toy-model", "--no-plots", "--buffer-name", f"buf-{out.name}", *extra]
 
 
-def run_train(model: Path, out: Path, *extra: str, timeout: float = 400) -> list[dict]:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+def run_train(model: Path, out: Path, *extra: str, timeout: float = 400, crash_at: str = "") -> list[dict]:
+    """Run the launcher to the end; its stdout is appended to ``out/launcher.log``. ``crash_at``:
+    RESERVOIR_CRASH_AT for it (fault injection, scripts/components.py)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT=crash_at)
     proc = subprocess.run(train_cmd(model, out, *extra), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "launcher.log", "a") as log:
+        log.write(proc.stdout)
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
@@ -88,48 +91,72 @@ def test_async_mode_keeps_the_staleness_bound(warm_toy, tmp_path):
 
 
 def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
+    """Sync, strictly on-policy (``--max-weight-staleness 0``): the whole job is killed in step 5,
+    after step 4's push set the persisted buffer to version 5, a version past the checkpoint's
+    (step 3: version 4), with rollouts 4 and 5 put. The resumed buffer must go back to version 4
+    before judging staleness and forget the puts of rollouts 4 and 5, which are generated again
+    (issue 16 item 1): else it drops groups as stale or discards the regenerated rollouts as
+    duplicates, and the run hangs or loses groups. The resumed run loses its buffer process once,
+    mid step 6 (after train, before the push records version 7), and rides out its restart
+    (issue 16 item 2)."""
     out, ckpt = tmp_path / "resume", tmp_path / "ckpt"
     n_steps, batch = 8, 16
-    extra = ["--num-rollout", str(n_steps), "--save", str(ckpt), "--save-interval", "2",
+    extra = ["--num-rollout", str(n_steps), "--save", str(ckpt), "--save-interval", "2", "--max-weight-staleness", "0",
              "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"), "--rollout-batch-size", str(batch)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(train_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    try:  # kill the whole job (driver, Ray, engines, router) mid-run: after step 3's checkpoint, in step 5
-        while not (out / "dump_5.parquet").exists():
-            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert json.loads((ckpt / "latest.json").read_text())["step"] in (3, 5)
-    records = run_train(warm_toy, out, *extra, "--load", str(ckpt))
-    assert [r["step"] for r in train_records(records)][-4:] == [4, 5, 6, 7]
-    trained = [s.group_index for step in range(n_steps) for g in read_parquet(out / f"dump_{step}.parquet")
-               for s in g[:1]]
+    # the driver SIGKILLs itself right after step 5 took its batch (scripts/components.Run.crash_point);
+    # then the rest of the job (Ray, engines, router) is killed with its process group
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="after_get:5")
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(train_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, stdout=log, stderr=log,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=300)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-4000:]
+    assert json.loads((ckpt / "latest.json").read_text())["step"] == 3
+    records = run_train(warm_toy, out, *extra, "--load", str(ckpt), crash_at="buffer@after_train:6")
+    assert "SIGKILL buffer at after_train of step 6" in (out / "launcher.log").read_text()
+    assert [r["step"] for r in train_records(records)] == list(range(n_steps))  # redone steps logged once
+    # no regenerated rollout refused as a duplicate of one the checkpoint lacks (it was forgotten)
+    assert [r["buffer/duplicate_puts"] for r in train_records(records)] == [0] * n_steps
+    batches = [read_parquet(out / f"dump_{step}.parquet") for step in range(n_steps)]
     # Every group of every step trained once: none lost, none twice, the data position exact.
-    assert sorted(trained) == list(range(n_steps * batch))
+    assert sorted(g[0].group_index for groups in batches for g in groups) == list(range(n_steps * batch))
+    # on-policy throughout, the redone steps included
+    assert all(min(s.weight_versions) == step for step, groups in enumerate(batches) for g in groups for s in g)
 
 
-def test_two_trainer_ranks_push_exact_weights_and_resume(warm_toy, tmp_path):
+def test_two_trainer_ranks_push_exact_weights_a_dead_rank_ends_the_run_and_load_resumes(warm_toy, tmp_path):
     """Two CPU trainer ranks (FSDP2 over gloo, Ray actors): rank 0 pulls the batch and pushes the
-    gathered weights; the engines hold exactly the trainer's weights after every push, and a
-    checkpoint of both ranks resumes."""
+    gathered weights; the engines hold exactly the trainer's weights after every push. Rank 1's
+    process is killed once step 2 took its batch (issue 16: a trainer rank crash): rank 0 is left
+    in a collective, yet the run ends at once with an error naming the rank and the checkpoint to
+    resume from; ``--load`` then trains every group exactly once."""
     out, ckpt = tmp_path / "dp2", tmp_path / "ckpt"
     extra = ["--actor-num-gpus-per-node", "2", "--check-weight-update-equal", "--save", str(ckpt),
-             "--rollout-batch-size", "8"]
-    steps = train_records(run_train(warm_toy, out, *extra, "--num-rollout", "2", "--save-interval", "2"))
+             "--rollout-batch-size", "8", "--num-rollout", "3", "--save-interval", "2",
+             "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="trainer@after_get:2")
+    proc = subprocess.run(train_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = proc.stderr.splitlines()
+    verdict = [i for i, line in enumerate(lines) if line.startswith("scripts/train.py: error: step 2: ")]
+    assert verdict and "trainer rank 1 died during train_step" in lines[verdict[0]], proc.stderr[-5000:]
+    assert lines[verdict[0] + 1] == f"the last checkpoint is step 1's: add --load {ckpt} to resume from it"
+    steps = train_records([json.loads(line) for line in open(out / "metrics.jsonl")])
     assert [r["step"] for r in steps] == [0, 1]
     assert steps[0]["train/train_rollout_logp_abs_diff"] < 1e-4  # sharded trainer == engines at step 0
     assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/engines"] == 2 for r in steps)
     assert sorted(p.name for p in (ckpt / "step_000001" / "trainer").glob("rng_*.pt")) == ["rng_0.pt", "rng_1.pt"]
-    steps = train_records(run_train(warm_toy, out, *extra, "--num-rollout", "3", "--load", str(ckpt)))
-    assert [r["step"] for r in steps][-1:] == [2] and steps[-1]["weight_sync/version"] == 3.0
+    steps = train_records(run_train(warm_toy, out, *extra, "--load", str(ckpt)))
+    assert [r["step"] for r in steps] == [0, 1, 2] and steps[-1]["weight_sync/version"] == 3.0
     # the resumed policy is the trained one: still on-policy against the engines it re-synced
     assert steps[-1]["train/train_rollout_logp_abs_diff"] < 1e-4
+    trained = [g[0].group_index for step in range(3) for g in read_parquet(out / f"dump_{step}.parquet")]
+    assert sorted(trained) == list(range(3 * 8))  # the dead rank's step trained once, after the resume
 
 
 def test_debug_rollout_only_then_debug_train_only(warm_toy, tmp_path):
@@ -148,7 +175,7 @@ def test_debug_rollout_only_then_debug_train_only(warm_toy, tmp_path):
 
 
 def test_bad_plugin_path_is_a_clear_start_up_error(warm_toy, tmp_path):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env = dict(os.environ)
     proc = subprocess.run(train_cmd(warm_toy, tmp_path / "bad", "--custom-rm-path", "no_such_pkg.rm"), cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

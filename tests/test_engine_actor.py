@@ -5,19 +5,16 @@ Needs loopback sockets: run inside ``unshare -n`` as CI does (see _fixtures_engi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from _fixtures_engine import engine_model, run  # noqa: F401
 from rollout_manager.engine import EngineSettings
-from rollout_manager.engine_client import EngineClient
+from sglang_protocol.client import EngineClient
 
 ray = pytest.importorskip("ray")
 
 
 def test_engine_actor_serves_and_shuts_down(engine_model):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     try:

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from _fixtures_engine import engine_model, run, start_engine, stop_process  # noqa: F401
-from rollout_manager.engine import free_port
-from rollout_manager.engine_client import EngineClient
+from sglang_protocol.net import free_port
+from sglang_protocol.client import EngineClient
 
 pytest.importorskip("sglang_router")
 

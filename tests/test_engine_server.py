@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, engine_url, hf_model, reference_logprobs, run  # noqa: F401
-from rollout_manager.engine_client import EngineClient, EngineError
+from sglang_protocol.client import EngineClient, EngineError
 
 LONG = {"max_new_tokens": 240, "ignore_eos": True, "temperature": 1.0}
 

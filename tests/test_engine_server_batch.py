@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from _fixtures_engine import engine_model, engine_url, run  # noqa: F401
-from rollout_manager.engine_client import EngineClient, EngineError
+from sglang_protocol.client import EngineClient, EngineError
 
 LONG = {"max_new_tokens": 240, "ignore_eos": True, "temperature": 1.0}
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]

@@ -10,7 +10,7 @@ from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_log
 from rollout_manager.engine.protocol import ProtocolError, SamplingParams, parse_generate
 from rollout_manager.engine.sampling import build_row_params, sample
 from rollout_manager.engine.settings import EngineSettings, parse_settings
-from weight_sync.buckets import flatten_bucket, tensor_checksum, unflatten_bucket
+from sglang_protocol.buckets import flatten_bucket, tensor_checksum, unflatten_bucket
 
 V = 50
 
@@ -135,15 +135,18 @@ def test_settings_validation_and_cli_roundtrip(tmp_path):
 
 
 def test_flattened_bucket_roundtrip_and_checksums():
-    ts = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 1, 2)]
-    flat = flatten_bucket(ts)  # [21]
-    assert flat.shape == (21,)
-    back = unflatten_bucket(flat, [t.shape for t in ts])
-    assert all(torch.equal(a, b) for a, b in zip(ts, back))
-    with pytest.raises(ValueError, match="dtype"):
-        flatten_bucket([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match="elements"):
-        unflatten_bucket(flat, [[3, 4]])
+    """A flattened bucket is the tensors' bytes (SGLang's FlattenedTensorBucket): any dtypes,
+    each tensor aligned to its element size."""
+    ts = [torch.randn(3, 4), torch.randn(2, 1, 2), torch.randn(5).bfloat16()]
+    flat = flatten_bucket(ts)
+    assert flat.dtype == torch.uint8 and flat.shape == (12 * 4 + 4 * 4 + 5 * 2,)
+    dtypes, shapes = [t.dtype for t in ts], [t.shape for t in ts]
+    back = unflatten_bucket(flat, dtypes, shapes)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ts, back))
+    with pytest.raises(ValueError, match="not aligned"):  # 5 bf16 = 10 bytes, then a float32
+        flatten_bucket([torch.zeros(5, dtype=torch.bfloat16), torch.zeros(2)])
+    with pytest.raises(ValueError, match="bytes"):
+        unflatten_bucket(flat, [torch.float32], [[3, 4]])
     assert tensor_checksum(ts[0]) == tensor_checksum(ts[0].clone())
     bumped = ts[0].clone()
     bumped[0, 0] = torch.nextafter(bumped[0, 0], torch.tensor(10.0))

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, engine_model_b, engine_url, hf_model, run  # noqa: F401
-from rollout_manager.engine import free_port
-from rollout_manager.engine_client import EngineClient, EngineError
-from weight_sync.buckets import dtype_name, flatten_bucket, tensor_checksum
-from weight_sync.process_group import init_weight_update_group
+from sglang_protocol.net import free_port
+from sglang_protocol.client import EngineClient, EngineError
+from sglang_protocol.buckets import dtype_name, flatten_bucket, tensor_checksum
+from sglang_protocol.process_group import init_weight_update_group
 
 PROMPTS = [[10, 11, 12], [30, 31], [40, 41, 42, 43, 44]]
 
@@ -66,6 +66,11 @@ def test_update_from_distributed_then_from_disk(engine, engine_model, engine_mod
             init = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2, "g1", "gloo"))
             group = await asyncio.to_thread(init_weight_update_group, "gloo", "127.0.0.1", port, 0, 2, "g1", 60)
             assert (await init)["success"]
+            # outside a weight-update session the engine refuses a load, as SGLang >= 0.5.22 does
+            with pytest.raises(EngineError) as e_session:
+                await c.update_weights_from_distributed(names[:1], ["float32"], [[1]], "g1")
+            assert e_session.value.status == 400 and "begin_weight_update" in e_session.value.body
+            assert await c.begin_weight_update() is True
             half = len(names) // 2
             assert (await send(c, group, names[:half], False, "v1"))["success"]
             assert await c.get_weight_version() == "v1"
@@ -77,6 +82,9 @@ def test_update_from_distributed_then_from_disk(engine, engine_model, engine_mod
                 await bad
             assert e.value.status == 400 and "model.nope.weight" in e.value.body
             assert (await send(c, group, names[half:], True, "v2"))["success"]  # the group is still in step
+            assert await c.end_weight_update() is True
+            with pytest.raises(EngineError, match="no weight-update session"):
+                await c.end_weight_update()
             after, versions = await greedy(c)
             sums = await c.request("GET", "/weights_checksum")
             version = await c.get_weight_version()
@@ -113,5 +121,5 @@ def test_init_group_rejects_bad_settings_and_unknown_groups(engine):
 
     errs, ok = run(go())
     assert [s for s, _ in errs] == [400] * 4
-    assert "backend" in errs[0][1] and "nope" in errs[1][1] and "nope" in errs[2][1] and "master_port" in errs[3][1]
+    assert "backend" in errs[0][1] and "begin_weight_update" in errs[1][1] and "nope" in errs[2][1] and "master_port" in errs[3][1]
     assert ok["meta_info"]["completion_tokens"] == 1

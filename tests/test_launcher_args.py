@@ -27,7 +27,7 @@ def test_all_parts_compose_without_clashes(base):
     (["--eval-interval", "5"], "--eval-interval needs --eval-prompt-data"),
     (["--global-batch-size", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"],
      "--global-batch-size 3 must divide"),
-    (["--colocate"], "--colocate is not supported yet"),
+    (["--colocate", "--max-weight-staleness", "1"], "--colocate needs sync mode"),
     (["--num-rollout", "0"], "--num-rollout must be >= 1"),
     (["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "3"],
      "3 trainer ranks (--actor-num-nodes 1 x --actor-num-gpus-per-node 3) is not a multiple of "
@@ -62,3 +62,59 @@ def test_sglang_flags_pass_through(base, capsys):
     with pytest.raises(SystemExit):
         parse_args(base + ["--sglang-mem-fraction-static", "0.7"])  # needs --rollout-engine sglang
     assert "--rollout-engine sglang" in capsys.readouterr().err
+
+
+def test_abbreviations_are_errors(base, capsys):
+    """Issue 16 item 5: ``--num-roll`` is not silently taken for ``--num-rollout``."""
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--num-roll", "3"])
+    assert "unrecognized arguments: --num-roll" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("yaml_text,msg", [
+    ("lr: [0.1, 0.2]\n", "line 1: key 'lr' (--lr) expects one value (float), got a list"),
+    ("seed: 1\nlr: {a: 1}\n", "line 2: key 'lr' (--lr) expects one value (float), got a mapping"),
+    # a flag taking several values takes a list, but of single values
+    ("rollout-stop-token-ids: [1, [2, 3]]\n",
+     "line 1: key 'rollout-stop-token-ids' (--rollout-stop-token-ids) expects a list of single values (int), "
+     "got a list: [2, 3]"),
+])
+def test_a_yaml_value_of_the_wrong_shape_names_the_key_and_file(base, tmp_path, capsys, yaml_text, msg):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--config", str(cfg)])
+    assert f"--config {cfg}, {msg}" in capsys.readouterr().err
+
+
+def test_wandb_flags(base, capsys):
+    """slime's --wandb-group / --wandb-key are accepted with --use-wandb; without the package the
+    error names the flags at parse time (before Ray and the engines start)."""
+    import importlib.util
+
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--wandb-group", "g"])
+    assert "--wandb-group need(s) --use-wandb" in capsys.readouterr().err
+    argv = base + ["--use-wandb", "--wandb-group", "g", "--wandb-key", "k"]
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "--use-wandb, --wandb-group, --wandb-key: the wandb package is not installed" in capsys.readouterr().err
+    else:
+        args = parse_args(argv)
+        assert (args.wandb_group, args.wandb_key) == ("g", "k")
+
+
+def test_the_toy_configs_build_flag_does_not_build_at_a_mistyped_path(tmp_path, capsys):
+    """The toy config says build-toy-model: true; a mistyped --hf-checkpoint must be an error naming
+    the flag, not a fresh toy model trained at that path. An explicit --build-toy-model still builds."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    typo = tmp_path / "exmaples/toy/model"
+    argv = ["--config", str(root / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(typo)]
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert f"--hf-checkpoint {typo}: no HF checkpoint there" in capsys.readouterr().err
+    assert parse_args(argv + ["--build-toy-model"]).build_toy_model
+    assert not typo.exists()  # parsing builds nothing

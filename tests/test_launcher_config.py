@@ -58,3 +58,24 @@ def test_metrics_log_and_plots(tmp_path):
     files = plot_metrics(tmp_path / "metrics.jsonl", tmp_path)
     assert {f.name for f in files} == {"reward.png", "eval_accuracy.png"}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_resume_truncates_metrics_and_purges_tensorboard_steps(tmp_path):
+    """A run killed after step 4 and resumed from the checkpoint of step 2 logs steps 3 and 4 again:
+    metrics.jsonl and what TensorBoard reads hold each step once, with the redone values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path, use_tensorboard=True)
+    for step in range(5):
+        log.log(step, {"train/loss": float(step)})
+    log.close()
+    log = MetricsLogger(tmp_path, use_tensorboard=True)  # the resumed run
+    assert log.truncate_after(2) == 2
+    for step in (3, 4):
+        log.log(step, {"train/loss": 10.0 + step})
+    log.close()
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == \
+        [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]

@@ -19,7 +19,7 @@ def test_actor_produces_into_buffer(ray_local, toy_model_dir):  # noqa: F811
     handle = create_rollout_manager_actor(settings, args)
     try:
         assert len(ray.get(handle.start.remote(), timeout=120)) == 2
-        metrics = ray.get(handle.run_async.remote(0, 3, buf), timeout=120)
+        metrics = [ray.get(handle.push.remote(rid, buf), timeout=120) for rid in range(3)]
         assert len(metrics) == 3 and all(m["rollout/num_groups"] == 4 for m in metrics)
         assert ray.get(buf.size.remote()) == 12
         ray.get(handle.push.remote(2, buf), timeout=60)  # a retried rollout id is stored once

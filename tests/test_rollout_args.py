@@ -39,6 +39,8 @@ def test_flags_reach_settings():
     (["--rm-url", "http://x", "--custom-rm-path", "a.b"], "--rm-url and --custom-rm-path"),
     (["--group-rm"], "--group-rm needs --custom-rm-path"),
     (["--rm-type", "nope"], "--rm-type 'nope'"),
+    (["--rm-type", "ifbench"], "--rm-type ifbench: not supported"),
+    (["--rm-type", "dapo"], "add --reward-key score"),
     (["--rollout-engine", "sglang"], "--rollout-num-gpus"),
     (["--rollout-temperature", "-1"], "--rollout-temperature"),
     (["--rollout-top-p", "0"], "--rollout-top-p"),
@@ -79,3 +81,15 @@ def test_plugin_errors_at_start_up_name_flag_and_path(flag, value, msg):
     with pytest.raises(ValueError, match=msg) as e:
         RolloutManager(s, args)
     assert flag in str(e.value) and value in str(e.value)
+
+
+@pytest.mark.parametrize("module", ["rollout_manager.engine.settings", "rollout_manager.instant_engine"])
+def test_engine_parsers_refuse_abbreviated_flags(module, capsys):
+    """``--hos`` is a prefix of ``--host``: an error naming it, never taken for that flag."""
+    import importlib
+
+    ap = importlib.import_module(module).build_parser()
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--port", "1", "--model-path", "m", "--hos", "0.0.0.0"])
+    assert "unrecognized arguments: --hos 0.0.0.0" in capsys.readouterr().err
+    assert ap.parse_args(["--port", "1", "--model-path", "m", "--host", "0.0.0.0"]).host == "0.0.0.0"

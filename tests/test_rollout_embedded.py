@@ -27,9 +27,9 @@ def test_cli_writes_parquet_and_summary(toy_model_dir, tmp_path, capsys):
     for g in groups:
         check_group(g, 2)
         for s in g:
-            text = tok.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True,
-                                           tokenize=False)
-            assert s.tokens[:s.prompt_length] == tok(text, add_special_tokens=False)["input_ids"]
+            # with --apply-chat-template the sample's prompt is the templated text its tokens encode (slime's)
+            assert s.prompt.startswith("<|user|>") and s.prompt.endswith("<|assistant|>")
+            assert s.tokens[:s.prompt_length] == tok(s.prompt, add_special_tokens=False)["input_ids"]
             assert 1 <= s.response_length <= 8 and all(lp <= 0 for lp in s.rollout_log_probs)
             assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.weight_versions == [0]
             assert s.status == Status.TRUNCATED or s.tokens[-1] == tok.eos_token_id

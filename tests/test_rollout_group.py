@@ -13,7 +13,7 @@ import pytest
 from _fixtures_rollout import make_args
 
 from buffer.sample import Sample, Status
-from rollout_manager.engine_client import EngineClient, EngineError, batch_rids
+from sglang_protocol.client import EngineClient, EngineError, batch_rids
 from rollout_manager.generate import (RolloutContext, SampleSlots, StepState, generate, generate_group, set_context,
                                       set_step, split_requests)
 
@@ -222,7 +222,7 @@ def unused_port_server():
 
     from aiohttp import web
 
-    from rollout_manager.router import free_port
+    from sglang_protocol.net import free_port
 
     received: list = []
 

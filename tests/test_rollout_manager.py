@@ -12,7 +12,7 @@ import pytest
 from _fixtures_rollout import running_manager, toy_argv, wait_inflight
 
 from buffer.sample import Status, check_group
-from rollout_manager.engine_client import EngineClient
+from sglang_protocol.client import EngineClient
 
 INSTANT = ["--rollout-engine", "instant", "--rollout-num-engines", "2", "--health-check-interval", "0.5"]
 
@@ -178,12 +178,19 @@ def test_running_router_and_engine_urls(toy_model_dir, tmp_path):
     import subprocess
     import sys
 
-    from rollout_manager.router import Router, free_port
+    from rollout_manager.router import Router
+    from sglang_protocol.net import free_port
 
     ports = [free_port(), free_port()]
     procs = [subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(p),
                                "--model-path", str(toy_model_dir)]) for p in ports]
-    router = Router.start(policy="round_robin", health_check_interval=1.0, log_path=tmp_path / "router.log")
+    port = free_port()
+    with open(tmp_path / "router.log", "wb") as log:  # a router the user runs: no control-plane keys
+        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                 "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                 str(free_port()), "--policy", "round_robin"], stdout=log, stderr=subprocess.STDOUT)
+    router = Router("127.0.0.1", port, proc)  # a handle to read its workers and stop it
+    router._wait_up(60)
 
     async def go():
         argv = toy_argv(toy_model_dir, "--engine-urls", *[f"127.0.0.1:{p}" for p in ports],

@@ -10,8 +10,8 @@ from _fixtures_rollout import make_args
 
 from buffer.sample import Sample
 from rollout_manager.dispatch import Dispatcher
-from rollout_manager.engine_client import EngineClient
-from rollout_manager.engines import engine_command
+from sglang_protocol.client import EngineClient
+from rollout_manager.engines import EnginePorts, engine_command
 from rollout_manager.generate import append_segment, parse_weight_version, reset_sample
 
 
@@ -19,9 +19,10 @@ def test_sglang_command_line_and_gpus():
     _, s = make_args(["--hf-checkpoint", "/m", "--rollout-engine", "sglang", "--rollout-num-gpus", "4",
                       "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
                       "--sglang-enable-torch-compile"])
-    cmd, env = engine_command(s, 1, 30001)
+    cmd, env = engine_command(s, 1, EnginePorts(30001, nccl_port=20000, dist_init_port=20001))
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--port") + 1] == "30001"
+    assert cmd[cmd.index("--nccl-port") + 1] == "20000" and cmd[cmd.index("--dist-init-addr") + 1] == "127.0.0.1:20001"
     assert cmd[-3:] == ["--mem-fraction-static", "0.7", "--enable-torch-compile"]
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # engine 1 of 2-GPU engines
 
@@ -29,7 +30,7 @@ def test_sglang_command_line_and_gpus():
 def test_embedded_command_line():
     _, s = make_args(["--hf-checkpoint", "/m", "--rollout-num-engines", "2",
                       "--engine-extra-args", "--max-running-requests 16"])
-    cmd, env = engine_command(s, 0, 30002, host="10.0.0.5")
+    cmd, env = engine_command(s, 0, EnginePorts(30002), host="10.0.0.5")
     assert cmd[1:3] == ["-m", "rollout_manager.engine"] and cmd[-2:] == ["--max-running-requests", "16"]
     assert cmd[cmd.index("--host") + 1] == "10.0.0.5" and "CUDA_VISIBLE_DEVICES" not in env
 

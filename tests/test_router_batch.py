@@ -24,7 +24,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rollout_manager.router import Router, free_port
+from rollout_manager.router import Router
+from sglang_protocol.net import free_port
 
 pytest.importorskip("sglang_router")
 

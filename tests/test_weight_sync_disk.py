@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,3 +40,103 @@ def test_retry_replaces_and_old_versions_are_pruned(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "weights_v3" / "model.safetensors")["w"], named[0][1])
+
+
+# --- slime's --custom-update-weight-post-write-path, through the disk transport to a real engine ---------------
+
+def _ws_args(*argv: str):
+    import argparse
+
+    from weight_sync.arguments import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--hf-checkpoint")
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def one_engine(ws_toy_model, tmp_path_factory):  # noqa: F811
+    from tests._fixtures_weight_sync import start_engines, stop_engines
+
+    disk = tmp_path_factory.mktemp("post_write")
+    es = start_engines(ws_toy_model, 1, weight_update_dirs=str(disk))
+    yield es[0][1], disk
+    stop_engines(es)
+
+
+def _served(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/model_info", timeout=30) as resp:
+        return json.loads(resp.read())["weight_version"]
+
+
+def test_post_write_hook_runs_between_write_and_load(one_engine, ws_toy_model, tmp_path):  # noqa: F811
+    from tests._fixtures_weight_sync import perturbed_model
+    from weight_sync.arguments import load_post_write_hook, settings_from_args
+    from weight_sync.sender import WeightSender
+
+    url, disk = one_engine
+    log = tmp_path / "hook.jsonl"
+    args = _ws_args("--update-weight-transport", "disk", "--update-weight-disk-dir", str(disk / "w"),
+                    "--hf-checkpoint", str(ws_toy_model), "--update-weight-timeout", "60",
+                    "--custom-update-weight-post-write-path", "slime_fixtures.weight_hooks.publish")
+    args.hook_log, args.hook_tag = str(log), "from-args"  # what the plugin reads from slime's args
+    before = _served(url)
+    with WeightSender(settings_from_args(args), post_write=load_post_write_hook(args)) as sender:
+        sender.connect([url])
+        sender.push(perturbed_model(ws_toy_model, 0.9).named_parameters(), version=5)
+        assert _served(url) == "5"
+        (event,) = [json.loads(line) for line in open(log)]
+        # called once the directory was complete under its final name, before the engine loaded it
+        assert event["version_dir"] == str(checkpoint_dir(disk / "w", 5)) and event["engines"] == [url]
+        assert event["served"] == [before] and event["tag"] == "from-args"
+        assert {"config.json", "model.safetensors"} <= set(event["files"])
+        assert (checkpoint_dir(disk / "w", 5) / "PUBLISHED").exists()
+        # a hook that fails (an upload refused) fails the push, naming the flag; the engine keeps v5
+        args.fail_publish = True
+        with pytest.raises(RuntimeError, match="--custom-update-weight-post-write-path failed on .*weights_v6.*"
+                                               "OSError: upload of .* refused"):
+            sender.push(perturbed_model(ws_toy_model, 0.8).named_parameters(), version=6)
+        assert _served(url) == "5"
+
+
+def test_post_write_hook_is_refused_where_it_cannot_run(ws_toy_model):  # noqa: F811
+    from weight_sync.arguments import settings_from_args
+
+    with pytest.raises(ValueError, match="--custom-update-weight-post-write-path x.y: slime calls it after a disk "
+                                         "weight update's files are written; with --update-weight-transport "
+                                         "distributed nothing is written"):
+        settings_from_args(_ws_args("--update-weight-transport", "distributed",
+                                    "--custom-update-weight-post-write-path", "x.y"))
+    with pytest.raises(ValueError, match="--custom-update-weight-post-write-path 'slime_fixtures.weight_hooks.nope': "
+                                         "module 'slime_fixtures.weight_hooks' has no attribute 'nope'"):
+        settings_from_args(_ws_args("--update-weight-transport", "disk", "--hf-checkpoint", str(ws_toy_model),
+                                    "--custom-update-weight-post-write-path", "slime_fixtures.weight_hooks.nope"))
+
+
+def test_trainer_rank_binds_the_post_write_hook_from_the_launchers_args(one_engine, ws_toy_model, tmp_path):  # noqa: F811
+    """The launcher path: trainer rank 0 builds its sender with the hook, bound to the args trainer
+    plugins see (``TrainSettings.plugin_args``, the launcher's namespace)."""
+    from tests._fixtures_weight_sync import perturbed_model
+    from train_backend.actor_group import TrainerRank
+    from train_backend.interfaces import TrainSettings
+    from weight_sync.arguments import settings_from_args
+
+    url, disk = one_engine
+    log = tmp_path / "hook.jsonl"
+    args = _ws_args("--update-weight-transport", "disk", "--update-weight-disk-dir", str(disk / "r"),
+                    "--hf-checkpoint", str(ws_toy_model), "--update-weight-timeout", "60",
+                    "--custom-update-weight-post-write-path", "slime_fixtures.weight_hooks.publish")
+    rank = TrainerRank(0, 1)
+    rank.train = TrainSettings(hf_checkpoint=str(ws_toy_model),
+                               plugin_args={**vars(args), "hook_log": str(log), "hook_tag": "from-launcher"})
+    rank.connect_weight_sync(settings_from_args(args), [url], [1], None)
+    try:
+        rank.sender.push(perturbed_model(ws_toy_model, 0.7).named_parameters(), version=9)
+    finally:
+        rank.sender.close()
+    (event,) = [json.loads(line) for line in open(log)]
+    assert event["tag"] == "from-launcher" and event["version_dir"] == str(checkpoint_dir(disk / "r", 9))
+    assert _served(url) == "9"

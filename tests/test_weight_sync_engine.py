@@ -10,12 +10,13 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rollout_manager.engine_client import EngineClient
+from sglang_protocol.client import EngineClient
 from tests._fixtures_weight_sync import perturbed_model, start_engines, stop_engines, ws_toy_model  # noqa: F401
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.sender import WeightSender
@@ -33,10 +34,16 @@ def _version(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def procs(ws_toy_model):  # noqa: F811
+def disk_dir(tmp_path_factory) -> Path:
+    """The disk transport's directory, one the engines are started to allow (docs/security.md)."""
+    return tmp_path_factory.mktemp("disk_pushes")
+
+
+@pytest.fixture(scope="module")
+def procs(ws_toy_model, disk_dir):  # noqa: F811
     """Two engines for the whole module, as a mutable list of (Popen, url): the failure tests at
     the end kill, restart and stop them (starting engines is the slow part of these tests)."""
-    es = start_engines(ws_toy_model, 2)
+    es = start_engines(ws_toy_model, 2, weight_update_dirs=str(disk_dir))
     yield es
     stop_engines(es)
 
@@ -108,7 +115,7 @@ def test_mismatch_is_refused_before_anything_is_sent(engines, ws_toy_model):  # 
         before = [_version(u) for u in engines]
         name0 = good[0][0]
         cases = [([(good[0][0], good[0][1][:-1])] + good[1:], rf"{name0}.*shape"),
-                 ([(good[0][0], good[0][1].double())] + good[1:], rf"{name0}.*dtype float64"),
+                 ([(good[0][0], good[0][1].long())] + good[1:], rf"{name0}.*dtype int64"),  # floats are cast
                  (good + [("model.extra.weight", torch.zeros(2))], "model.extra.weight.*no parameter"),
                  (good[1:], rf"{name0}.*does not include"),
                  (good + [good[0]], rf"{name0}.*twice")]
@@ -121,7 +128,7 @@ def test_mismatch_is_refused_before_anything_is_sent(engines, ws_toy_model):  # 
 
 
 def test_connect_errors_leave_the_sender_reusable(engines, ws_toy_model):  # noqa: F811
-    from weight_sync._loop import free_port
+    from sglang_protocol.net import free_port
 
     with WeightSender(WeightSyncSettings(timeout_s=5)) as sender:
         with pytest.raises(ValueError, match="engine_urls"):
@@ -134,19 +141,19 @@ def test_connect_errors_leave_the_sender_reusable(engines, ws_toy_model):  # noq
         assert sender.push(perturbed_model(ws_toy_model, 1.0).named_parameters(), 3)["weight_sync/engines"] == 2
 
 
-def test_disk_transport(engines, ws_toy_model, tmp_path):  # noqa: F811
+def test_disk_transport(engines, ws_toy_model, disk_dir):  # noqa: F811
     new = perturbed_model(ws_toy_model, 0.9)
-    s = WeightSyncSettings(transport="disk", disk_dir=str(tmp_path / "ckpts"), hf_checkpoint=str(ws_toy_model),
+    s = WeightSyncSettings(transport="disk", disk_dir=str(disk_dir / "ckpts"), hf_checkpoint=str(ws_toy_model),
                            check_equal=True, timeout_s=60)
     with WeightSender(s) as sender:
         sender.connect(engines)
         m = sender.push(new.named_parameters(), version=11)
         assert m["weight_sync/check_s"] > 0 and m["weight_sync/engines"] == 2
     assert [_version(u) for u in engines] == ["11", "11"]
-    assert (tmp_path / "ckpts" / "weights_v11" / "config.json").exists()
+    assert (disk_dir / "ckpts" / "weights_v11" / "config.json").exists()
 
 
-def test_engine_killed_mid_push_then_resynced(procs, ws_toy_model):  # noqa: F811
+def test_engine_killed_mid_push_then_resynced(procs, ws_toy_model, disk_dir):  # noqa: F811
     es = procs
     urls = [u for _, u in es]
     s = WeightSyncSettings(bucket_bytes=32 * 1024, check_equal=True, timeout_s=20)
@@ -169,7 +176,7 @@ def test_engine_killed_mid_push_then_resynced(procs, ws_toy_model):  # noqa: F81
         assert _version(urls[0]) == "1"
         # The dead engine comes back (same address) and is re-synced to the current version.
         port = int(urls[1].rsplit(":", 1)[1])
-        es[1] = start_engines(ws_toy_model, 1, ports=[port])[0]
+        es[1] = start_engines(ws_toy_model, 1, ports=[port], weight_update_dirs=str(disk_dir))[0]
         assert sender.resync(urls[1], w1.named_parameters())["weight_sync/resync_s"] > 0
         assert _version(urls[1]) == "1" and sender.engine_status()[urls[1]]["alive"]
         # Next push goes to both through a rebuilt group.

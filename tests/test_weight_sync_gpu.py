@@ -1,7 +1,8 @@
 """WeightSender over NCCL (run on a 2-GPU machine): trainer tensors on cuda:0, one embedded engine
 on cuda:1. A push lands exactly (checksums); an engine killed mid-push or stopped (SIGSTOP) makes
 the push fail within its bound instead of hanging the trainer on a stuck NCCL kernel; the engine,
-restarted or resumed, is brought back (resync / revive) through a rebuilt NCCL group.
+restarted or resumed, is brought back (resync / revive) through a rebuilt NCCL group. On one GPU:
+the engine's CUDA side of a gloo push, and the colocated ``tensor`` transport (CUDA IPC handles).
 
     pytest -m gpu tests/test_weight_sync_gpu.py      (or: python tests/test_weight_sync_gpu.py)
 """
@@ -34,7 +35,7 @@ def _assert_engine_holds(url: str, named: list[tuple[str, torch.Tensor]]) -> Non
     import json
     import urllib.request
 
-    from weight_sync.buckets import tensor_checksum
+    from sglang_protocol.buckets import tensor_checksum
 
     with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as r:
         sums = json.loads(r.read())
@@ -77,6 +78,63 @@ def test_nccl_push_without_check_lands(ws_toy_model):  # noqa: F811
                          "cuda:1", lambda scale: _weights(ws_toy_model, scale))
 
 
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "tensor"])
+def test_tensor_transport_into_an_engine_on_the_same_gpu(ws_toy_model, load_format):  # noqa: F811
+    """Colocated mode on one GPU: the trainer's tensors and one embedded engine on cuda:0. Each
+    bucket travels as CUDA IPC handles (device named by UUID; the engine maps the trainer's memory,
+    waits for the trainer's packing through the handle's event, copies, and answers once the copy
+    is done, after which the trainer frees the bucket); every tensor lands bitwise, push after push,
+    and the engine generates in between."""
+    from weight_sync.interfaces import WeightSyncSettings
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.set_device(0)
+    _push_check_generate(ws_toy_model, WeightSyncSettings(transport="tensor", load_format=load_format,
+                                                          bucket_bytes=32 * 1024, timeout_s=20),
+                         "cuda:0", lambda scale: _weights(ws_toy_model, scale))
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_fp32_trainer_into_a_bf16_engine_on_the_same_gpu(ws_toy_model, transport):  # noqa: F811
+    """Issue 13: fp32 master weights on cuda:0 and an engine serving bf16 on cuda:0. Each bucket is
+    cast on the GPU while it is packed (tensor: CUDA IPC handles; distributed: over gloo), half the
+    bytes travel, and the engine holds the trainer's weights cast to bf16, bit for bit."""
+    import json
+    import urllib.request
+
+    from rollout_manager.engine.launch import launch_engine_process
+    from rollout_manager.engine.settings import EngineSettings
+    from sglang_protocol.buckets import tensor_checksum
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.set_device(0)
+    es = [launch_engine_process(EngineSettings(model_path=str(ws_toy_model), port=0, device="cuda:0",
+                                               dtype="bfloat16", max_running_requests=8), timeout_s=180)]
+    url = es[0][1]
+    s = WeightSyncSettings(transport=transport, backend="gloo", bucket_bytes=32 * 1024, timeout_s=20,
+                           check_equal=True)
+    try:
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            for version, scale in ((1, 1.25), (2, 0.5)):
+                named = _weights(ws_toy_model, scale)
+                m = sender.push(named, version=version)
+                assert m["weight_sync/cast_tensors"] == len(named)
+                assert m["weight_sync/bytes"] == sum(t.numel() * 2 for _, t in named)
+                _generates(url)
+                with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as r:
+                    sums = json.loads(r.read())
+                sums = sums.get("checksums", sums)
+                bad = [n for n, t in named if sums.get(n) != tensor_checksum(t, torch.bfloat16)]
+                assert not bad, f"{len(bad)} tensors differ from the trainer's cast to bf16, e.g. {bad[:3]}"
+    finally:
+        stop_engines(es)
+
+
 def _push_check_generate(model: Path, settings, device: str, weights) -> None:
     """Three pushes of other values (``weights(scale)``) into one engine on ``device``; after each:
     the version, a generation, and every tensor's checksum against the trainer's."""
@@ -101,7 +159,7 @@ def _version(url: str) -> str:
     import json
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/get_weight_version", timeout=30) as r:
+    with urllib.request.urlopen(f"{url}/model_info", timeout=30) as r:
         return json.loads(r.read())["weight_version"]
 
 

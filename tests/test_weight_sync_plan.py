@@ -53,8 +53,9 @@ def test_check_against_engine_names_the_tensor():
     check_against_engine(ok, engine, "http://e0")
     with pytest.raises(ValueError, match=r"'a'.*shape \[3, 2\].*\[2, 3\]"):
         check_against_engine(_specs(("a", (3, 2), "bfloat16"), ("b", (3,), "bfloat16")), engine, "http://e0")
-    with pytest.raises(ValueError, match="'b'.*dtype float32.*bfloat16"):
-        check_against_engine(_specs(("a", (2, 3), "bfloat16"), ("b", (3,), "float32")), engine, "http://e0")
+    check_against_engine(_specs(("a", (2, 3), "bfloat16"), ("b", (3,), "float32")), engine, "http://e0")  # cast at push
+    with pytest.raises(ValueError, match="'b'.*dtype int64.*bfloat16"):
+        check_against_engine(_specs(("a", (2, 3), "bfloat16"), ("b", (3,), "int64")), engine, "http://e0")
     with pytest.raises(ValueError, match="'zzz'.*no parameter"):
         check_against_engine(ok + _specs(("zzz", (1,), "bfloat16")), engine, "http://e0")
     with pytest.raises(ValueError, match="'b'.*does not include"):

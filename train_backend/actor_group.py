@@ -3,7 +3,7 @@ by a :class:`TrainerGroup` in the launcher's process.
 
     group = TrainerGroup(train_settings, megatron_settings, TrainerGroupSettings(actor_num_gpus_per_node=2))
     metrics = group.train_step(groups, step)             # rank 0 gets the groups, the others None
-    group.connect_weight_sync(sync_settings, engine_urls, buffer)
+    group.connect_weight_sync(sync_settings, engine_urls, engine_gpus, buffer)  # rollout_manager.engines.engine_gpus
     group.push_weights(step + 1)                         # every rank gathers, rank 0 broadcasts
     group.close()
 
@@ -14,6 +14,19 @@ pinned to its bundle, so Ray picks the node and the GPU (``CUDA_VISIBLE_DEVICES`
 inside the actor). On the CPU the ranks take no Ray resources (like the buffer and the rollout
 manager): a 2-core machine still runs 2 CPU ranks beside 2 engines. A single rank with a pinned
 ``--train-device cuda:N`` reserves nothing either: the user chose the GPU.
+
+Colocated (``--colocate``): rank i runs on GPU i of the launcher's node, the GPU that engine i's
+(first) rank runs on (``rollout_manager.engines.engine_command`` places locally started engines on
+GPUs ``0, 1, ...``), with ``CUDA_VISIBLE_DEVICES`` set to it and nothing reserved in Ray. Ray's own
+placement cannot pair them: it picks the GPU of a fractional request itself (a trainer rank and an
+engine could land on different GPUs of a node), and a whole-GPU reservation on either side makes it
+refuse the other. slime likewise computes its colocated engines' GPUs itself.
+
+On GPUs, rank 0 reports the peak GPU memory its process allocated in each phase of a step
+(``memory/<phase>_peak_gib``, the peak reset between phases) and the memory the whole device
+used when the phase ended (``memory/<phase>_device_used_gib``: on a shared GPU, the engines'
+too): ``rollout`` (from the end of the last push to the start of training: what the trainer holds
+while the engines generate), ``train`` and ``weight_sync`` (the gather and the push).
 """
 
 from __future__ import annotations
@@ -21,12 +34,15 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from train_backend.interfaces import TrainSettings, create_backend
 
 if TYPE_CHECKING:
+    import ray
+
     from buffer.sample import Sample
     from train_backend.megatron.arguments import MegatronSettings
     from weight_sync.interfaces import VersionSink, WeightSyncSettings
@@ -46,6 +62,14 @@ class TrainerGroupSettings:
 
     actor_num_nodes: int = 1
     actor_num_gpus_per_node: int = 1
+    colocate: bool = False  # --colocate: rank i on GPU i of this node, beside engine i (module docstring)
+    offload_train: bool | None = None  # --offload-train; None: on when colocated on GPUs (slime's default)
+
+    def offloads(self, train: TrainSettings) -> bool:
+        """Whether the ranks keep their optimizer state on the host while the engines generate."""
+        if self.offload_train is None:
+            return self.colocate and train.device.startswith("cuda")
+        return self.offload_train
 
     @property
     def world_size(self) -> int:
@@ -71,10 +95,19 @@ class TrainerGroupSettings:
         if train.backend == "torch" and tp * pp > 1:
             raise ValueError(f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} need "
                              "--train-backend megatron (the torch backend shards over all ranks with FSDP2)")
+        if self.colocate and self.actor_num_nodes > 1:
+            raise ValueError(f"--colocate with --actor-num-nodes {self.actor_num_nodes}: colocated engines run on "
+                             "the launcher's node, so the trainer ranks must too (--actor-num-nodes 1)")
+        if self.offload_train and not train.device.startswith("cuda"):
+            raise ValueError(f"--offload-train with --train-device {train.device}: it moves optimizer state from the "
+                             "GPU to the host; there is nothing to move on the CPU")
+        if self.colocate and ":" in train.device:
+            raise ValueError(f"--colocate with --train-device {train.device}: colocation puts rank i on engine i's "
+                             f"GPU itself; use --train-device {train.device.split(':')[0]}")
 
     def uses_gpus(self, train: TrainSettings) -> bool:
-        """Whether Ray reserves a GPU per rank (``cuda`` without an index)."""
-        return train.device == "cuda"
+        """Whether Ray reserves a GPU per rank (``cuda`` without an index, not colocated)."""
+        return train.device == "cuda" and not self.colocate
 
 
 class TrainerRank:
@@ -85,6 +118,9 @@ class TrainerRank:
         self.rank, self.world_size = rank, world_size
         self.backend: Any = None
         self.sender: Any = None
+        self.cuda = False  # reports per-phase GPU memory (module docstring)
+        self.offload: Any = None  # --offload-train: train_backend.offload.OptimizerOffload
+        self.train: TrainSettings | None = None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it: the rendezvous rank 0 hosts for the others."""
@@ -101,7 +137,8 @@ class TrainerRank:
 
         return {"rank": self.rank, "node": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
 
-    def setup(self, master: tuple[str, int], train: TrainSettings, megatron: "MegatronSettings | None") -> None:
+    def setup(self, master: tuple[str, int], train: TrainSettings, megatron: "MegatronSettings | None",
+              offload: bool = False) -> None:
         """Join the default process group (several ranks) and build the backend.
 
         The torch backend shards with FSDP2 when it finds an initialised group of > 1 ranks; the
@@ -113,8 +150,10 @@ class TrainerRank:
 
         if train.device == "cpu":  # Ray sets OMP_NUM_THREADS=1; share the cores as the engines do
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
-        if train.device == "cuda":  # Ray made this rank's GPU the only one visible
+        if train.device == "cuda":  # Ray (or colocation) made this rank's GPU the only one visible
             os.environ["LOCAL_RANK"] = "0"
+        self.cuda = train.device.startswith("cuda")
+        self.train = train
         if self.world_size > 1:  # one rank: no rendezvous ($RANK unset tells Megatron so)
             os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                               WORLD_SIZE=str(self.world_size))
@@ -124,14 +163,48 @@ class TrainerRank:
             dist.init_process_group("nccl" if cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
         self.backend = create_backend(train, megatron)
+        if offload:
+            from train_backend.offload import OptimizerOffload
+
+            self.offload = OptimizerOffload(self.backend.optimizer, list(self.backend.model.parameters()))
 
     def call(self, method: str, *args: Any) -> Any:
-        """Run one backend method (``train_step``, ``save``, ``load``, ``export_hf``, ...)."""
-        return getattr(self.backend, method)(*args)
+        """Run one backend method (``train_step``, ``save``, ``load``, ``export_hf``, ...). With
+        ``--offload-train`` the optimizer state comes back to the GPU first where the method needs
+        it; ``save``/``load`` send it back to the host after."""
+        offloaded = self.offload is not None and self.offload.offloaded
+        if method != "train_step" or not self.cuda:
+            if offloaded and method in ("save", "load"):
+                self.offload.onload()
+            try:
+                return getattr(self.backend, method)(*args)
+            finally:
+                if offloaded and method in ("save", "load"):
+                    self.offload.offload()
+        rollout = self._memory_phase("rollout")  # what this rank held while the engines generated
+        onload = {}
+        if offloaded:
+            t0 = time.perf_counter()
+            moved = self.offload.onload()
+            onload = {"perf/onload_train_time": time.perf_counter() - t0, "memory/offloaded_gib": moved / 1024 ** 3}
+        metrics = self.backend.train_step(*args)
+        return {**metrics, **rollout, **onload, **self._memory_phase("train")}
 
-    def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str],
+    def _memory_phase(self, phase: str) -> dict[str, float]:
+        """The GPU memory of the phase that ends now (module docstring); starts the next one."""
+        import torch
+
+        gib = 1024 ** 3
+        free, total = torch.cuda.mem_get_info()
+        out = {f"memory/{phase}_peak_gib": torch.cuda.max_memory_allocated() / gib,
+               f"memory/{phase}_device_used_gib": (total - free) / gib}
+        torch.cuda.reset_peak_memory_stats()
+        return out
+
+    def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str], engine_gpus: list[int],
                             version_sink: "VersionSink | None") -> None:
-        """Rank 0: create the sender and join the engines' weight-update group. Others: nothing."""
+        """Rank 0: create the sender and join the engines' weight-update group (``engine_gpus[i]``:
+        engine i's GPUs, i.e. its ranks in the group). Others: nothing."""
         if self.rank != 0:
             return
         import dataclasses
@@ -145,19 +218,33 @@ class TrainerRank:
         if settings.master_address in loopback and any(urlparse(u).hostname not in loopback for u in engine_urls):
             # engines on other hosts cannot reach a loopback rendezvous: host it on this rank's node
             settings = dataclasses.replace(settings, master_address=ray.util.get_node_ip_address())
-        self.sender = WeightSender(settings, version_sink=version_sink)
-        self.sender.connect(engine_urls)
+        post_write = None
+        if settings.transport == "disk":  # slime's --custom-update-weight-post-write-path, with its args
+            from train_backend.hooks import plugin_args
+            from weight_sync.arguments import load_post_write_hook
+
+            post_write = load_post_write_hook(plugin_args(self.train))
+        self.sender = WeightSender(settings, version_sink=version_sink, post_write=post_write)
+        self.sender.connect(engine_urls, engine_gpus)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Gather the full weights (collective on every rank); rank 0 pushes them to the engines.
         Gathered completely before the push starts, so a failing push never leaves the other
         ranks waiting in the middle of the gather."""
         named = list(self.backend.named_hf_weights())
-        if self.rank != 0:
-            return {}
-        if self.sender is None:
-            raise RuntimeError("push_weights: connect_weight_sync was not called")
-        return self.sender.push(named, version)
+        metrics: dict[str, float] = {}
+        if self.rank == 0:
+            if self.sender is None:
+                raise RuntimeError("push_weights: connect_weight_sync was not called")
+            metrics = self.sender.push(named, version)
+        del named  # the gathered copies (FSDP2, TP/PP) count in this phase, not the next
+        if self.cuda:
+            metrics.update(self._memory_phase("weight_sync"))
+        if self.offload is not None:  # the engines generate next: the optimizer state waits on the host
+            t0 = time.perf_counter()
+            self.offload.offload()
+            metrics["perf/offload_train_time"] = time.perf_counter() - t0
+        return metrics if self.rank == 0 else {}
 
     def close(self) -> None:
         """Leave the weight-update group on the engines (rank 0) and the process group."""
@@ -193,7 +280,9 @@ class TrainerGroup:
         self._broken = False
         self.pg = None
         options: list[dict[str, Any]] = [{"num_cpus": 0}] * self.world_size
-        if self.settings.uses_gpus(train):
+        if self.settings.colocate:
+            options = _colocated_options(self.world_size, train.device == "cuda")
+        elif self.settings.uses_gpus(train):
             bundle = {"GPU": 1, "CPU": 1}
             self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
             try:
@@ -211,7 +300,8 @@ class TrainerGroup:
         self.ranks = [actor.options(**options[i]).remote(i, self.world_size) for i in range(self.world_size)]
         try:
             master = self._gather([self.ranks[0].address.remote()], "start")[0]
-            self._gather([r.setup.remote(master, train, megatron) for r in self.ranks], "setup")
+            offload = self.settings.offloads(train)
+            self._gather([r.setup.remote(master, train, megatron, offload) for r in self.ranks], "setup")
         except BaseException:
             self.close()
             raise
@@ -246,11 +336,19 @@ class TrainerGroup:
         self._all("export_hf", [(path,)] * self.world_size)
 
     # --- weight sync ------------------------------------------------------------------------------
-    def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str],
-                            version_sink: "VersionSink | None" = None) -> None:
-        """Rank 0 creates the WeightSender (``version_sink``: the buffer's actor handle) and joins
-        the engines' weight-update group."""
-        self._gather([self.ranks[0].connect_weight_sync.remote(settings, engine_urls, version_sink)],
+    def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str], engine_gpus: list[int],
+                            version_sink: "VersionSink | ray.actor.ActorHandle | None" = None) -> None:
+        """Rank 0 creates the WeightSender and joins the engines' weight-update group.
+        ``engine_gpus[i]``: engine i's GPUs (a TP-2 SGLang engine joins as 2 ranks), from
+        ``rollout_manager.engines.engine_gpus``. ``version_sink``: a ``VersionSink``, or the buffer's
+        actor handle (recorded through ``buffer.retry.BufferVersionSink``)."""
+        import ray
+
+        if isinstance(version_sink, ray.actor.ActorHandle):
+            from buffer.retry import BufferVersionSink
+
+            version_sink = BufferVersionSink(version_sink, ray_timeout_s=settings.timeout_s)
+        self._gather([self.ranks[0].connect_weight_sync.remote(settings, engine_urls, engine_gpus, version_sink)],
                      "connect_weight_sync")
 
     def push_weights(self, version: int) -> dict[str, float]:
@@ -296,11 +394,23 @@ class TrainerGroup:
         return out
 
 
+def _colocated_options(world_size: int, cuda: bool) -> list[dict[str, Any]]:
+    """Ray options of colocated ranks: on this (the launcher's) node, where the engines run, and on
+    CUDA rank i on GPU i (module docstring); no Ray resources (CPU ranks take none either)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return [{"num_cpus": 0, "scheduling_strategy": here,
+             **({"runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": str(i)}}} if cuda else {})}
+            for i in range(world_size)]
+
+
 def _rank_error(rank: int, what: str, e: Exception) -> Exception:
     """One clear driver-side error for a failure in rank ``rank``."""
     import ray
 
-    from rollout_manager.actor import creation_setting_error
+    from buffer.ray_errors import creation_setting_error
 
     if isinstance(e, ray.exceptions.RayActorError):  # the process died (or its __init__ failed)
         setting = creation_setting_error(e)

@@ -83,9 +83,15 @@ def prepare_batch(groups: list[list[Sample]], estimator: str, reward_key: str | 
     return RolloutBatch(samples, advantages, sum(len(g) for g in groups), skipped, reward_mean)
 
 
-def whiten_advantages(samples: list[Sample], advantages: list[float]) -> list[float]:
-    """``--normalize-advantages``: whiten the per-sample advantages over all loss tokens (a
-    sample weighs as much as its loss tokens, as slime whitens token-level advantages)."""
+def whiten_advantages(samples: list[Sample], advantages: list) -> list:
+    """``--normalize-advantages``: whiten the advantages over all loss tokens (a sample weighs as
+    much as its loss tokens, as slime whitens token-level advantages). Per-sample floats stay
+    per-sample; per-token lists (a custom advantage function's) are whitened token by token."""
+    if advantages and isinstance(advantages[0], list):
+        flat = torch.tensor([a for adv in advantages for a in adv], dtype=torch.float64)  # [T]
+        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float64)  # [T]
+        white = masked_whiten(flat, mask)  # [T]
+        return [t.tolist() for t in torch.split(white, [s.response_length for s in samples])]
     counts = torch.tensor([sum(s.loss_mask) for s in samples])  # [B]
     per_token = torch.tensor(advantages, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
     white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
@@ -201,6 +207,8 @@ class PackedMicroBatch:
     # (computed here, on the host: torch.unique on an accelerator would synchronize it)
     keep_columns: Tensor | None = None
     keep_inverse: Tensor | None = None
+    total_lengths: list[int] = field(default_factory=list)  # per sequence: prompt + response tokens
+    sequences: list[list[int]] = field(default_factory=list)  # per sequence: its tokens (slime's hooks)
 
     @property
     def num_seqs(self) -> int:
@@ -215,9 +223,9 @@ class PackedMicroBatch:
         return list(torch.split(flat, self.response_lengths))
 
 
-def pack(samples: list[Sample], advantages: list[float] | None = None, row_len: int | None = None,
+def pack(samples: list[Sample], advantages: list | None = None, row_len: int | None = None,
          pad_id: int = 0) -> PackedMicroBatch:
-    """Pack ``samples`` (advantages per sample, default 0) into rows.
+    """Pack ``samples`` (advantages per sample, or per response token as lists; default 0) into rows.
 
     ``row_len=None``: one row holding everything (for varlen attention kernels, which cost
     nothing for the packing). Otherwise rows of at most ``row_len`` tokens (first-fit decreasing;
@@ -268,13 +276,21 @@ def pack(samples: list[Sample], advantages: list[float] | None = None, row_len: 
         targets=input_ids.view(-1)[logit_index + 1],  # [N]
         seq_ids=torch.repeat_interleave(torch.arange(len(samples)), counts),  # [N]
         loss_mask=torch.tensor(mask, dtype=torch.float32),  # [N]
-        advantages=torch.repeat_interleave(
-            torch.tensor([0.0] * len(samples) if advantages is None else advantages, dtype=torch.float32),
-            counts),  # [N]
+        advantages=_token_advantages(advantages, counts),  # [N]
         rollout_logp=torch.tensor(rollout, dtype=torch.float32),  # [N]
         rollout_mask=torch.repeat_interleave(torch.tensor(have, dtype=torch.float32), counts),  # [N]
         response_lengths=rl,
         num_tokens=sum(lengths),
         keep_columns=keep_columns,
         keep_inverse=keep_inverse,
+        total_lengths=lengths,
+        sequences=[list(s.tokens) for s in samples],
     )
+
+
+def _token_advantages(advantages: list | None, counts: Tensor) -> Tensor:
+    """``[N]``: each sample's advantage on each of its response tokens (or its per-token list)."""
+    if advantages and isinstance(advantages[0], list):
+        return torch.tensor([a for adv in advantages for a in adv], dtype=torch.float32)
+    values = [0.0] * len(counts) if advantages is None else advantages
+    return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), counts)

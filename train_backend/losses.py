@@ -13,17 +13,17 @@ full batch, however it was split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from train_backend.interfaces import TrainSettings
-from train_backend.interfaces import TrainSettings as _T  # the defaults of LossConfig
+from train_backend.settings import TrainSettings
+from train_backend.settings import TrainSettings as _T  # the defaults of LossConfig
 
-# exp() of a log-ratio above this overflows float32 to inf and inf * 0 = NaN; a ratio of e^20 is
-# clipped by PPO anyway, so clamping changes no finite result that matters.
-MAX_LOG_RATIO = 20.0
+if TYPE_CHECKING:
+    from train_backend.hooks import TrainHooks
 
 
 # --- log-probs --------------------------------------------------------------------------------
@@ -70,9 +70,15 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
     - ``grpo``, ``gspo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as slime and TRL).
     - ``dr_grpo``: ``r - mean_g`` (Dr. GRPO drops the std).
     - ``rloo``: ``r - mean of the other samples of the group``.
-    - ``reinforce_plus_plus``: ``(r - mean) / (std + eps)`` over the whole batch (REINFORCE++;
-      a KL penalty goes through ``--use-kl-loss`` rather than into the reward).
-    - ``reinforce_plus_plus_baseline``: ``r - mean_g``, then whitened over the whole batch.
+    - ``reinforce_plus_plus``: ``r`` (REINFORCE++: slime's discounted return with ``gamma = 1``,
+      which is ``r`` on every token up to the last loss token; a KL penalty goes through
+      ``--use-kl-loss`` rather than into the reward).
+    - ``reinforce_plus_plus_baseline``: ``r - mean_g``.
+
+    The two REINFORCE++ estimators are whitened afterwards, over the loss tokens of the rollout
+    batch, by ``--normalize-advantages`` (:func:`masked_whiten`), as slime does; slime and
+    :class:`~train_backend.interfaces.TrainSettings` require that flag with them. Whitening here,
+    per sample, would weigh a 1-token and a 1000-token response alike.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [G, n], got shape {tuple(rewards.shape)}")
@@ -88,10 +94,9 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
         baseline = (total - r) / (k - 1).clamp(min=1)  # [G, n]
         adv = torch.where(k > 1, r - baseline, torch.zeros_like(r))  # [G, n]
     elif estimator == "reinforce_plus_plus":
-        adv = (r - _nan_mean(r)) / (_nan_std(r) + eps)  # [G, n]
+        adv = r  # [G, n]
     elif estimator == "reinforce_plus_plus_baseline":
-        centred = r - _nan_mean(r, 1)  # [G, n]
-        adv = (centred - _nan_mean(centred)) / (_nan_std(centred) + eps)  # [G, n]
+        adv = r - _nan_mean(r, 1)  # [G, n]
     else:
         raise ValueError(f"--advantage-estimator={estimator!r} is not supported")
     return torch.where(valid, adv, torch.zeros_like(adv)).to(rewards.dtype)  # [G, n]
@@ -99,14 +104,15 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
 
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """``(v - mean) / sqrt(var + eps)`` over the tokens where ``mask`` is 1 (slime's
-    ``--normalize-advantages``; unbiased variance). ``values, mask [N]`` -> ``[N]``; masked-out
-    tokens keep 0."""
+    ``--normalize-advantages``, ``distributed_masked_whiten``: unbiased variance, none with one
+    token). ``values, mask [N]`` -> ``[N]``; masked-out tokens are 0 (slime whitens them too, and
+    its loss then masks them out); with no token under the mask (slime raises) all are 0."""
     m = mask.to(values.dtype)  # [N]
     count = m.sum()
-    if count < 2:
+    if count == 0:
         return values * m
     mean = (values * m).sum() / count
-    var = (((values - mean) ** 2) * m).sum() / (count - 1)
+    var = (((values - mean) ** 2) * m).sum() / (count - 1).clamp(min=1)
     return (values - mean) * torch.rsqrt(var + eps) * m  # [N]
 
 
@@ -135,7 +141,9 @@ def policy_loss(log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip
     the clipped branch was taken (PPO's clip fraction counts these).
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N]
+    # No clamp on the log-ratio (slime and TRL have none): for A < 0 without dual clip the
+    # unclipped branch ``r |A|`` is the loss however large r is, and a clamp would zero its gradient.
+    ratio = torch.exp(log_ratio)  # [N]
     loss1 = -ratio * advantages  # [N]
     loss2 = -ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages  # [N]
     loss = torch.maximum(loss1, loss2)  # [N]
@@ -149,29 +157,36 @@ def policy_loss(log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's
     estimators): ``k1 = log r``, ``k2 = (log r)^2 / 2``, ``k3 = exp(-log r) - 1 + log r`` with
-    ``log r = logp - ref_logp``. ``[N]`` -> ``[N]``."""
+    ``log r = logp - ref_logp``. ``[N]`` -> ``[N]``. Unclamped, as slime's ``compute_approx_kl``
+    and TRL's k3 term; ``low_var_kl`` is slime's name for k3 clamped to [-10, 10] (its only clamp)."""
     log_r = logp - ref_logp  # [N]
     if kind == "k1":
         return log_r
     if kind == "k2":
         return 0.5 * log_r * log_r
-    if kind == "k3":
-        neg = (-log_r).clamp(max=MAX_LOG_RATIO)  # [N]
-        return torch.exp(neg) - 1.0 - neg
-    raise ValueError(f"--kl-loss-type={kind!r}: expected k1, k2 or k3")
+    if kind in ("k3", "low_var_kl"):
+        neg = -log_r  # [N]
+        k3 = torch.exp(neg) - 1.0 - neg
+        return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
+    raise ValueError(f"--kl-loss-type={kind!r}: expected k1, k2, k3 or low_var_kl")
 
 
 def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     """Truncated importance weight ``min(exp(old_logp - rollout_logp), cap)`` per token, no grad:
     corrects for the engine sampling from slightly different probabilities than the trainer's."""
-    return torch.exp((old_logp - rollout_logp).clamp(max=MAX_LOG_RATIO)).clamp(max=cap).detach()  # [N]
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # [N]; an overflow to inf caps too
 
 
 # --- aggregation ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LossDenominators:
-    """Step-wide normalizers: loss tokens, trainable sequences, and the constant length of
-    ``seq_mean_token_sum_norm`` (Dr. GRPO's generation budget)."""
+    """Step-wide normalizers: loss tokens, sequences, and the constant length of
+    ``seq_mean_token_sum_norm`` (Dr. GRPO's generation budget).
+
+    ``num_seqs`` counts every sample of the step, also one with an empty response or an all-zero
+    loss mask (see :func:`count_samples_without_loss_tokens`): slime divides the seq-mean losses by
+    the step's samples and TRL by its batch size, a constant that such a sample adds 0 to the
+    numerator of but still counts in."""
 
     num_tokens: float
     num_seqs: float
@@ -187,22 +202,42 @@ class LossDenominators:
         return cls(float(mask.sum()), float(num_seqs), float(norm_length))
 
 
+def count_samples_without_loss_tokens(denominators: list[LossDenominators], count: int) -> list[LossDenominators]:
+    """Add ``count`` samples that have no loss token (empty response, all-zero loss mask) to the
+    sequence counts of the optimizer steps ``denominators``, spread over the steps as evenly as
+    the trained samples are (``batching.split_steps``; which step each would have been in is not
+    kept). The batch preparation sets such samples aside, since they add nothing to the loss or
+    its gradient, but slime and TRL count them in the seq-mean denominators; without them the
+    seq-mean losses and gradients come out ``samples / trained samples`` times theirs."""
+    if count < 0:
+        raise ValueError(f"count={count} must be >= 0")
+    if not denominators:
+        return []
+    base, extra = divmod(count, len(denominators))
+    return [replace(d, num_seqs=d.num_seqs + base + (1 if k < extra else 0)) for k, d in enumerate(denominators)]
+
+
 def aggregate(values: Tensor, mask: Tensor, mode: str, seq_ids: Tensor, num_seqs: int,
-              denom: LossDenominators) -> Tensor:
+              denom: LossDenominators, num_mask: Tensor | None = None) -> Tensor:
     """Reduce per-token ``values [N]`` over the loss tokens (``mask [N]``) to a scalar.
 
     - ``token_mean``: sum over tokens / step's loss tokens (every token weighs the same).
-    - ``seq_mean_token_mean``: each sequence's token mean, summed / step's sequences.
+    - ``seq_mean_token_mean``: each sequence's token mean, summed / step's sequences (slime's
+      default, TRL's ``grpo``; a sequence with no loss token adds 0 and still counts).
     - ``seq_mean_token_sum_norm``: token sums / (step's sequences x ``norm_length``) (Dr. GRPO).
+
+    ``num_mask``: the tokens summed in the numerators when they differ from ``mask`` (a custom TIS
+    function's rejections); the per-sequence counts stay ``mask``'s, as in slime.
     """
     m = mask.to(values.dtype)  # [N]
+    nm = m if num_mask is None else num_mask.to(values.dtype)  # [N]
     if mode == "token_mean":
-        return (values * m).sum() / max(denom.num_tokens, 1.0)
+        return (values * nm).sum() / max(denom.num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        per_seq = segment_sum(values * m, seq_ids, num_seqs) / segment_sum(m, seq_ids, num_seqs).clamp(min=1)  # [S]
+        per_seq = segment_sum(values * nm, seq_ids, num_seqs) / segment_sum(m, seq_ids, num_seqs).clamp(min=1)  # [S]
         return per_seq.sum() / max(denom.num_seqs, 1.0)
     if mode == "seq_mean_token_sum_norm":
-        return (values * m).sum() / max(denom.num_seqs * denom.norm_length, 1.0)
+        return (values * nm).sum() / max(denom.num_seqs * denom.norm_length, 1.0)
     raise ValueError(f"--loss-agg={mode!r}: expected token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
 
 
@@ -233,18 +268,31 @@ class LossConfig:
 def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Tensor, advantages: Tensor,
             loss_mask: Tensor, seq_ids: Tensor, num_seqs: int, entropy: Tensor | None = None,
             ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
-            rollout_mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+            rollout_mask: Tensor | None = None, hooks: "TrainHooks | None" = None,
+            total_lengths: list[int] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one micro-batch, scaled so that summing it over the step's micro-batches gives
     the step's loss: ``agg(pg * tis) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
     All per-token inputs are ``[N]``. ``rollout_logp`` (with ``rollout_mask`` = 1 where the engine
     reported a log-prob) feeds TIS and the train/rollout mismatch metric. Returns ``(loss, stats)``;
-    every stat sums over micro-batches and data-parallel ranks: ``loss``/``pg_loss`` and the token
-    metrics are already divided by the step's denominators, while ``train_rollout_logp_abs_diff``
-    and ``train_rollout_kl`` are raw sums over ``_rollout_tokens`` tokens (the caller divides).
+    every stat sums over micro-batches and data-parallel ranks: ``loss``/``pg_loss`` and the
+    per-token metrics (``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``tis_weight``,
+    ``tis_clipfrac``) are already divided by the step's denominators, while
+    ``train_rollout_logp_abs_diff`` and ``train_rollout_kl`` are raw sums over ``_rollout_tokens``
+    tokens (the caller divides). The per-token metrics are means over the step's loss tokens,
+    except under ``seq_mean_token_mean``: there they are means over its samples of each sample's
+    token mean, as slime reports them (its ``sum_of_sample_mean`` unless per-token loss).
+
+    ``hooks``: slime's ``--custom-tis-function-path`` and ``--custom-pg-loss-reducer-function-path``
+    (:mod:`train_backend.hooks`); ``total_lengths`` (per sequence, prompt + response) is what
+    they are told.
     """
     m = loss_mask.to(logp.dtype)  # [N]
-    tok = max(denom.num_tokens, 1.0)
+    metric_agg = "seq_mean_token_mean" if cfg.loss_agg == "seq_mean_token_mean" else "token_mean"
+
+    def metric(values: Tensor) -> Tensor:
+        return aggregate(values.detach(), m, metric_agg, seq_ids, num_seqs, denom)
+
     if cfg.sequence_level_ratio:
         log_ratio = sequence_log_ratio(logp, old_logp, m, seq_ids, num_seqs)  # [N]
     else:
@@ -252,28 +300,37 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     pg, clipped = policy_loss(log_ratio, advantages, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)  # [N]
     stats: dict[str, Tensor] = {}
     has_rollout = rollout_logp is not None and rollout_mask is not None
+    pg_mask = m  # the numerators' tokens: a custom TIS function may reject some
     if cfg.use_tis:
         if not has_rollout or bool((rollout_mask[m > 0] == 0).any()):
             raise ValueError("--use-tis needs rollout_log_probs on every trained sample")
-        w = tis_weights(old_logp, rollout_logp, cfg.tis_cap)  # [N]
-        pg = pg * w  # [N]
-        stats["tis_weight"] = (w * m).sum().detach() / tok
-        stats["tis_clipfrac"] = ((w >= cfg.tis_cap).to(m.dtype) * m).sum() / tok
-    pg_loss = aggregate(pg, m, cfg.loss_agg, seq_ids, num_seqs, denom)
+        if hooks is not None and hooks.tis is not None:
+            pg, pg_mask, tis_stats = _custom_tis(hooks, pg, old_logp, rollout_logp, m, seq_ids, num_seqs,
+                                                 total_lengths)
+            stats.update({k: metric(v.to(m.dtype)) for k, v in tis_stats.items()})
+        else:
+            w = tis_weights(old_logp, rollout_logp, cfg.tis_cap)  # [N]
+            pg = pg * w  # [N]
+            stats["tis_weight"] = metric(w)
+            stats["tis_clipfrac"] = metric((w >= cfg.tis_cap).to(m.dtype))
+    if hooks is not None and hooks.pg_loss_reducer is not None:
+        pg_loss = _custom_reduce(hooks, cfg, denom, pg, pg_mask, seq_ids, num_seqs, total_lengths)
+    else:
+        pg_loss = aggregate(pg, m, cfg.loss_agg, seq_ids, num_seqs, denom, num_mask=pg_mask)
     loss = pg_loss
     stats["pg_loss"] = pg_loss.detach()
-    stats["pg_clipfrac"] = (clipped * m).sum().detach() / tok
-    stats["ppo_kl"] = ((old_logp - logp).detach() * m).sum() / tok
+    stats["pg_clipfrac"] = metric(clipped)
+    stats["ppo_kl"] = metric(old_logp - logp)
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, cfg.kl_loss_type)  # [N]
         kl_loss = aggregate(kl, m, cfg.loss_agg, seq_ids, num_seqs, denom)
         if cfg.use_kl_loss and cfg.kl_coef != 0:
             loss = loss + cfg.kl_coef * kl_loss
-        stats["kl"] = (kl.detach() * m).sum() / tok
+        stats["kl"] = metric(kl)
     if entropy is not None:
         if cfg.entropy_coef != 0:
             loss = loss - cfg.entropy_coef * aggregate(entropy, m, cfg.loss_agg, seq_ids, num_seqs, denom)
-        stats["entropy"] = (entropy.detach() * m).sum() / tok
+        stats["entropy"] = metric(entropy)
     if has_rollout:
         rm = m * rollout_mask.to(m.dtype)  # [N]
         diff = (old_logp - rollout_logp).detach()  # [N]
@@ -282,3 +339,36 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
         stats["_rollout_tokens"] = rm.sum()
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def _lengths(seq_ids: Tensor, num_seqs: int) -> list[int]:
+    return torch.bincount(seq_ids, minlength=num_seqs).tolist()
+
+
+def _custom_tis(hooks: "TrainHooks", pg: Tensor, old_logp: Tensor, rollout_logp: Tensor, m: Tensor, seq_ids: Tensor,
+                num_seqs: int, total_lengths: list[int] | None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """slime's ``tis_func(**kwargs) -> (pg_loss, loss_masks, metrics)`` on per-sample lists."""
+    lengths = _lengths(seq_ids, num_seqs)
+    out = hooks.tis(args=hooks.args, pg_loss=pg, train_log_probs=list(torch.split(old_logp.detach(), lengths)),
+                    rollout_log_probs=list(torch.split(rollout_logp, lengths)),
+                    loss_masks=list(torch.split(m, lengths)), total_lengths=total_lengths, response_lengths=lengths)
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError("--custom-tis-function-path: must return (pg_loss, loss_masks, metrics)")
+    new_pg, masks, metrics = out
+    if not isinstance(new_pg, Tensor) or new_pg.shape != pg.shape:
+        raise ValueError(f"--custom-tis-function-path: pg_loss must be a tensor of shape {tuple(pg.shape)}")
+    mask = torch.cat([torch.as_tensor(x, dtype=m.dtype, device=m.device) for x in masks]) if masks else m
+    if mask.shape != m.shape:
+        raise ValueError(f"--custom-tis-function-path: loss_masks hold {mask.numel()} tokens, expected {m.numel()}")
+    return new_pg, mask * m, {k: torch.as_tensor(v, device=m.device).detach() for k, v in dict(metrics).items()}
+
+
+def _custom_reduce(hooks: "TrainHooks", cfg: LossConfig, denom: LossDenominators, pg: Tensor, pg_mask: Tensor,
+                   seq_ids: Tensor, num_seqs: int, total_lengths: list[int] | None) -> Tensor:
+    """slime's reducer works in its micro-batch convention (a sum over samples, or over tokens
+    with per-token loss) that its Megatron scaling divides by the step's samples (tokens); the
+    same division puts it into this module's convention (micro-batch losses sum to the step's)."""
+    lengths = _lengths(seq_ids, num_seqs)
+    per_token = cfg.loss_agg == "token_mean"
+    reducer = hooks.pg_loss_reducer(total_lengths, lengths, list(torch.split(pg_mask, lengths)), per_token)
+    return reducer(pg) / max(denom.num_tokens if per_token else denom.num_seqs, 1.0)

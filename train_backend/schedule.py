@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from train_backend.interfaces import TrainSettings
+from train_backend.settings import TrainSettings
 
 
 def learning_rate(settings: TrainSettings, step: int) -> float:

@@ -22,12 +22,15 @@ from torch import Tensor
 from buffer.sample import Sample
 from train_backend import torch_checkpoint
 from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, begin_train_step, pack,
-                                    plan_micro_batches)
-from train_backend.interfaces import TrainSettings
-from train_backend.losses import LossConfig, log_probs_from_logits, rl_loss
+                                    plan_micro_batches, whiten_advantages)
+from train_backend.hooks import TrainHooks
+from train_backend.settings import TrainSettings
+from train_backend.losses import (LossConfig, aggregate, count_samples_without_loss_tokens, log_probs_from_logits,
+                                  rl_loss)
 from train_backend.schedule import lr_factor
 
-# Per-token stats of rl_loss that are token means over the step (averaged over optimizer steps).
+# Stats of rl_loss that are means over the step (over its loss tokens, or its samples under
+# seq_mean_token_mean), averaged over optimizer steps.
 _STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "tis_weight", "tis_clipfrac")
 # Raw sums over the rollout batch, normalized by the rollout-token count.
 _ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
@@ -42,6 +45,7 @@ class TorchBackend:
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
+        self.hooks = TrainHooks.load(settings)  # slime's trainer-side plugins (errors name the flag)
         self.loss_cfg = LossConfig.from_settings(settings)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -67,8 +71,13 @@ class TorchBackend:
         # The reference policy = a frozen copy of the initial weights; it stays on the CPU between
         # uses so it costs no accelerator memory while the policy trains.
         self.ref_model = None
-        if settings.use_kl_loss:  # frozen: it can live in the compute dtype
+        if settings.use_kl_loss and settings.ref_load:  # --ref-load: another HF checkpoint
+            self.ref_model = AutoModelForCausalLM.from_pretrained(settings.ref_load, dtype=self.compute_dtype)
+            self.ref_model.eval().requires_grad_(False)
+        elif settings.use_kl_loss:  # frozen: it can live in the compute dtype
             self.ref_model = copy.deepcopy(model).to(self.compute_dtype).eval().requires_grad_(False)
+        if settings.recompute_granularity == "full":  # validated: full / uniform / 1 layer
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
         if self.distributed:
             self._shard(model)
@@ -86,11 +95,16 @@ class TorchBackend:
                 layer.compile()
         self.model = model
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
-            eps=settings.adam_eps, weight_decay=settings.weight_decay)
+        if settings.optimizer == "sgd":  # Megatron's sgd: momentum 0.9 (its --sgd-momentum default)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=settings.lr, momentum=0.9,
+                                             weight_decay=settings.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+                eps=settings.adam_eps, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(settings))
         self.optimizer_steps = 0
+        self.hooks.call_init()
 
     # --- setup --------------------------------------------------------------------------------
     def _shard(self, model: torch.nn.Module) -> None:
@@ -114,6 +128,16 @@ class TorchBackend:
                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Policy log-probs (and entropy) of a packed micro-batch's response tokens: ``[N]``.
         The entropy keeps its graph only with ``entropy_grad`` (it costs a [N, V] softmax)."""
+        logits = self._response_logits(model, mb)  # [N, V]
+        temp = self.settings.rollout_temperature
+        logp, entropy = log_probs_from_logits(logits, mb.targets, temp, with_entropy and entropy_grad)
+        if with_entropy and not entropy_grad:
+            with torch.no_grad():
+                entropy = log_probs_from_logits(logits.detach(), mb.targets, temp, True)[1]
+        return logp, entropy
+
+    def _response_logits(self, model: torch.nn.Module, mb: PackedMicroBatch) -> Tensor:
+        """The logits predicting each response token of the micro-batch: ``[N, V]``."""
         # logits only where a response token is predicted: most prompt vocab projections are skipped
         rows, width = mb.input_ids.shape
         with self._autocast():
@@ -125,24 +149,25 @@ class TorchBackend:
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_columns,
                             use_cache=False)
                 logits = out.logits[mb.logit_index // width, mb.keep_inverse]  # [N, V]
-        temp = self.settings.rollout_temperature
-        logp, entropy = log_probs_from_logits(logits, mb.targets, temp, with_entropy and entropy_grad)
-        if with_entropy and not entropy_grad:
-            with torch.no_grad():
-                entropy = log_probs_from_logits(logits.detach(), mb.targets, temp, True)[1]
-        return logp, entropy
+        return logits
 
-    @torch.no_grad()
-    def _ref_log_probs(self, mbs: list[PackedMicroBatch]) -> list[Tensor]:
+    @contextlib.contextmanager
+    def _ref_on_device(self) -> Iterator[torch.nn.Module]:
+        """The reference model on the compute device for the duration (it waits on the CPU)."""
         assert self.ref_model is not None
         move = not self.distributed and self.device.type != "cpu"
         if move:
             self.ref_model.to(self.device)
         try:
-            return [self._log_probs(self.ref_model, mb, False)[0] for mb in mbs]
+            yield self.ref_model
         finally:
             if move:
                 self.ref_model.to("cpu")
+
+    @torch.no_grad()
+    def _ref_log_probs(self, mbs: list[PackedMicroBatch]) -> list[Tensor]:
+        with self._ref_on_device() as ref:
+            return [self._log_probs(ref, mb, False)[0] for mb in mbs]
 
     # --- training -----------------------------------------------------------------------------
     def _receive(self, groups: list[list[Sample]] | None) -> list[list[Sample]]:
@@ -190,26 +215,40 @@ class TorchBackend:
         batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
         if not batch.samples:
             return metrics
+        if self.hooks.advantage is not None:
+            adv = self._custom_advantages(batch)
         plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]
+        # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
+        denominators = count_samples_without_loss_tokens(
+            start.denominators, batch.skipped["empty_response"] + batch.skipped["zero_loss_mask"])
         # old_logp: the policy before this rollout's updates. With a single optimizer step the
         # policy does not change before each micro-batch's forward, so that forward's detached
         # log-probs are exactly the old ones and the extra pass is skipped.
         old: list[list[Tensor]] | None = None
+        self.hooks.call_before_log_prob([self.model], "")
         if len(steps) > 1:
             with torch.no_grad():
                 old = [[self._log_probs(self.model, mb, False)[0] for mb in mbs] for mbs in plans]
+        if self.ref_model is not None:
+            self.hooks.call_before_log_prob([self.ref_model], "ref_")
         ref = [self._ref_log_probs(mbs) for mbs in plans] if self.ref_model is not None else None
 
         sums: dict[str, Tensor] = {}
         grad_norms, lrs, tokens = [], [], 0
-        for k, (mbs, denom) in enumerate(zip(plans, start.denominators)):
+        for k, (mbs, denom) in enumerate(zip(plans, denominators)):
+            self.hooks.call_before_train_step(step, k, [self.model], self.optimizer, self.scheduler)
             lrs.append(self.optimizer.param_groups[0]["lr"])
             for j, mb in enumerate(mbs):
-                logp, entropy = self._log_probs(self.model, mb, True, entropy_grad=s.entropy_coef != 0)
-                old_logp = logp.detach() if old is None else old[k][j]
-                loss, stats = rl_loss(self.loss_cfg, denom, logp, old_logp, mb.advantages, mb.loss_mask, mb.seq_ids,
-                                      mb.num_seqs, entropy=entropy, ref_logp=None if ref is None else ref[k][j],
-                                      rollout_logp=mb.rollout_logp, rollout_mask=mb.rollout_mask)
+                ref_logp = None if ref is None else ref[k][j]
+                if self.hooks.loss is not None:
+                    loss, stats = self._custom_loss(mb, denom, None if old is None else old[k][j], ref_logp)
+                else:
+                    logp, entropy = self._log_probs(self.model, mb, True, entropy_grad=s.entropy_coef != 0)
+                    old_logp = logp.detach() if old is None else old[k][j]
+                    loss, stats = rl_loss(self.loss_cfg, denom, logp, old_logp, mb.advantages, mb.loss_mask,
+                                          mb.seq_ids, mb.num_seqs, entropy=entropy, ref_logp=ref_logp,
+                                          rollout_logp=mb.rollout_logp, rollout_mask=mb.rollout_mask,
+                                          hooks=self.hooks, total_lengths=mb.total_lengths)
                 # FSDP averages gradients over ranks; the loss is already a sum over the whole
                 # step's tokens, so scale back up to get the sum.
                 (loss * self.world_size).backward()
@@ -235,6 +274,30 @@ class TorchBackend:
         metrics["train/step_time_s"] = elapsed
         return metrics
 
+    def _custom_advantages(self, batch: RolloutBatch) -> list[list[float]]:
+        """``--custom-advantage-function-path`` on the batch (collective: log-probs on every rank)."""
+        self.hooks.call_before_log_prob([self.model], "")
+        logp = self.compute_log_probs(batch.samples)
+        ref = None
+        if self.ref_model is not None:
+            self.hooks.call_before_log_prob([self.ref_model], "ref_")
+            with self._ref_on_device() as model:
+                ref = self._sample_log_probs(model, batch.samples)
+        raw = [s.scalar_reward(self.settings.reward_key) for s in batch.samples]
+        adv = self.hooks.advantages(batch.samples, batch.advantages, raw, logp, ref)
+        return whiten_advantages(batch.samples, adv) if self.settings.normalize_advantages else adv
+
+    def _custom_loss(self, mb: PackedMicroBatch, denom, old_logp: Tensor | None, ref_logp: Tensor | None
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``--loss-type custom_loss``: the plugin's loss of one micro-batch (and its metrics)."""
+        agg = self.settings.loss_agg
+
+        def sum_of_sample_mean(x: Tensor) -> Tensor:
+            return aggregate(x, mb.loss_mask, agg, mb.seq_ids, mb.num_seqs, denom)
+
+        logits = self._response_logits(self.model, mb)  # raw: slime's helpers divide by the temperature
+        return self.hooks.custom_loss(logits, mb, sum_of_sample_mean, old_logp, ref_logp)
+
     def _optimizer_step(self, step: int, k: int) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.settings.clip_grad if self.settings.clip_grad > 0 else float("inf")
@@ -259,7 +322,8 @@ class TorchBackend:
         if self.distributed:
             dist.all_reduce(vec)
         total = dict(zip(names + ["_tokens"], vec.tolist()))
-        out = {f"train/{n}": total[n] / num_steps for n in _STEP_STATS if n in total}
+        # a custom loss's own metrics too (means over the step, as the built-in ones)
+        out = {f"train/{n}": total[n] / num_steps for n in total if n not in _ROLLOUT_STATS and n[0] != "_"}
         rollout_tokens = total.get("_rollout_tokens", 0.0)
         if rollout_tokens > 0:
             out.update({f"train/{n}": total[n] / rollout_tokens for n in _ROLLOUT_STATS})
@@ -267,16 +331,19 @@ class TorchBackend:
         return out
 
     # --- inference ----------------------------------------------------------------------------
-    @torch.no_grad()
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-response-token log-probs of the current policy (logits / ``--rollout-temperature``).
         Collective under data parallelism: every rank passes the same samples and gets all."""
+        return self._sample_log_probs(self.model, samples)
+
+    @torch.no_grad()
+    def _sample_log_probs(self, model: torch.nn.Module | None, samples: list[Sample]) -> list[list[float]]:
         out: list[list[float]] = [[] for _ in samples]
         todo = [i for i, x in enumerate(samples) if x.response_length > 0]
         plan = plan_micro_batches([len(samples[i].tokens) for i in todo], self.settings.max_tokens_per_micro_batch)
         for b in plan:
             mb = self._pack([samples[todo[j]] for j in b])
-            logp, _ = self._log_probs(self.model, mb, False)
+            logp, _ = self._log_probs(model or self.model, mb, False)
             for j, t in zip(b, mb.split(logp)):
                 out[todo[j]] = t.tolist()
         return out

@@ -4,5 +4,5 @@
 (``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/update_weights_from_disk``,
 ...), so the same code drives SGLang servers and the embedded engine; nccl on CUDA, gloo on CPU.
 Import the sender from ``weight_sync.sender`` (this package stays import-light: the engine imports
-``weight_sync.buckets`` and ``weight_sync.process_group``).
+``sglang_protocol.buckets`` and ``sglang_protocol.process_group``).
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import socket
 import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -113,10 +112,3 @@ def _deliver(fut: asyncio.Future, ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (the rendezvous binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

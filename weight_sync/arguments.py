@@ -1,15 +1,28 @@
-"""Command-line flags of weight_sync (slime's names where slime has one).
+"""Command-line flags of weight_sync (slime's names where slime has one), and the choice of the
+transport from where the trainer and the engines run (``resolve_transport``).
 
 Defaults come from ``WeightSyncSettings``' field defaults, so each lives in one place.
 ``--hf-checkpoint`` belongs to the rollout manager; it is read here (the disk transport copies its
-config and tokenizer next to the pushed weights).
+config and tokenizer next to the pushed weights). The engines' API keys come from the rollout
+settings (the ``--sglang-api-key`` / ``--sglang-admin-api-key`` pass-through), given by the caller,
+as is the dtype SGLang engines serve in (``sglang_serving_dtype``). slime's
+``--custom-update-weight-post-write-path`` is loaded by ``load_post_write_hook`` and handed to
+``WeightSender(post_write=...)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 from weight_sync.interfaces import BACKENDS, LOAD_FORMATS, PAUSE_MODES, TRANSPORTS, WeightSyncSettings
+
+POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
+_POST_WRITE_PARAMS = ["args", "version_dir", "rollout_engines"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,10 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = WeightSyncSettings
     g = parser.add_argument_group("weight sync")
     g.add_argument("--update-weight-transport", choices=TRANSPORTS, default=d.transport,
-                   help="distributed: broadcast over a process group (nccl/gloo); disk: write an HF checkpoint "
-                        "and POST /update_weights_from_disk")
+                   help="auto: tensor with --colocate, else distributed; distributed: broadcast over a process "
+                        "group (nccl/gloo); tensor: CUDA IPC handles to the trainer's buckets "
+                        "(/update_weights_from_tensor; needs --colocate); disk: write an HF checkpoint and POST "
+                        "/update_weights_from_disk")
     g.add_argument("--update-weight-backend", choices=BACKENDS, default=d.backend,
-                   help="collective backend of the weight-update group (auto: nccl with CUDA, else gloo)")
+                   help="collective backend of the weight-update group (auto: nccl when the trainer and the "
+                        "engines are on GPUs of their own, else gloo)")
     g.add_argument("--update-weight-buffer-size", type=int, default=d.bucket_bytes,
                    help="bytes per broadcast bucket")
     g.add_argument("--update-weight-load-format", choices=LOAD_FORMATS, default=d.load_format,
@@ -42,6 +58,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="directory for the disk transport's checkpoints (readable by the engines)")
     g.add_argument("--update-weight-disk-keep", type=int, default=d.disk_keep,
                    help="pushed checkpoints kept in --update-weight-disk-dir")
+    g.add_argument(POST_WRITE_FLAG, default=None,
+                   help="slime's hook(args, version_dir, rollout_engines): called on trainer rank 0 after the disk "
+                        "transport wrote a version, before the engines load it (e.g. to publish the files on a "
+                        "filesystem without cross-host read-after-write consistency); rollout_engines are the "
+                        "engines' URLs. Needs --update-weight-transport disk")
+
+
+
+def load_post_write_hook(args: argparse.Namespace) -> Callable[[str, list[str]], None] | None:
+    """The ``--custom-update-weight-post-write-path`` function bound to ``args`` (the namespace slime
+    plugins get), as ``WeightSender(post_write=...)`` calls it: ``post_write(version_dir, engine_urls)``;
+    None when the flag is not set. Loading errors name the flag and the path."""
+    path = getattr(args, "custom_update_weight_post_write_path", None)
+    if not path:
+        return None
+    from plugins.loader import load_function
+
+    fn = load_function(path, POST_WRITE_FLAG, params=_POST_WRITE_PARAMS, is_async=False)
+    return functools.partial(_call_post_write, fn, args)
+
+
+def _call_post_write(fn: Callable, args: argparse.Namespace, version_dir: str, engine_urls: list[str]) -> None:
+    fn(args, version_dir, list(engine_urls))
 
 
 _FLAG_OF = {"transport": "--update-weight-transport", "backend": "--update-weight-backend",
@@ -52,8 +91,11 @@ _FLAG_OF = {"transport": "--update-weight-transport", "backend": "--update-weigh
             "disk_keep": "--update-weight-disk-keep", "hf_checkpoint": "--hf-checkpoint"}
 
 
-def settings_from_args(args: argparse.Namespace) -> WeightSyncSettings:
-    """Build and validate WeightSyncSettings; ValueError names the offending flag."""
+def settings_from_args(args: argparse.Namespace, api_key: str | None = None,
+                       admin_api_key: str | None = None, engine_dtype: str | None = None) -> WeightSyncSettings:
+    """Build and validate WeightSyncSettings; ValueError names the offending flag. ``api_key`` /
+    ``admin_api_key``: the engines' keys, from the rollout settings (the launcher passes them);
+    ``engine_dtype``: what SGLang engines serve in (``sglang_serving_dtype``; None: not known)."""
     s = WeightSyncSettings(
         transport=args.update_weight_transport, backend=args.update_weight_backend,
         bucket_bytes=args.update_weight_buffer_size, load_format=args.update_weight_load_format,
@@ -61,7 +103,14 @@ def settings_from_args(args: argparse.Namespace) -> WeightSyncSettings:
         master_port=args.update_weight_master_port, group_name=args.update_weight_group_name,
         timeout_s=args.update_weight_timeout, check_equal=args.check_weight_update_equal,
         retries=args.update_weight_retries, disk_dir=args.update_weight_disk_dir,
-        disk_keep=args.update_weight_disk_keep, hf_checkpoint=args.hf_checkpoint)
+        disk_keep=args.update_weight_disk_keep, hf_checkpoint=args.hf_checkpoint, api_key=api_key,
+        admin_api_key=admin_api_key, engine_dtype=engine_dtype)
+    post_write = getattr(args, "custom_update_weight_post_write_path", None)
+    if post_write and s.transport != "disk":
+        raise ValueError(f"{POST_WRITE_FLAG} {post_write}: slime calls it after a disk weight update's files are "
+                         f"written; with --update-weight-transport {s.transport} nothing is written, so it would never "
+                         "run: add --update-weight-transport disk")
+    load_post_write_hook(args)  # a bad path fails here, at start-up, naming the flag
     try:
         s.validate()
     except ValueError as e:
@@ -71,3 +120,91 @@ def settings_from_args(args: argparse.Namespace) -> WeightSyncSettings:
             raise
         raise ValueError(f"{flag}: {e}") from None
     return s
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where trainer rank 0 and the engines run, as the launcher knows it at start-up.
+
+    trainer: ``cpu`` or ``cuda``. engines: ``cpu``, ``cuda``, or None (not known: servers given by
+    ``--engine-urls``). colocated: ``--colocate`` (the engines on the trainer's GPUs; on the CPU, on
+    its host). shared_gpu: without ``--colocate``, why an engine is known to share trainer rank 0's
+    GPU (e.g. one GPU in the machine), or None.
+    """
+
+    trainer: str
+    engines: str | None
+    colocated: bool = False
+    shared_gpu: str | None = None
+
+
+def resolve_transport(transport: str, backend: str, where: Placement) -> tuple[str, str]:
+    """``(transport, backend)`` with ``auto`` resolved for ``where``; explicit values are kept.
+
+    auto: ``tensor`` when colocated (the engines map the trainer's buckets: no copy through a
+    collective), else ``distributed`` over ``nccl`` when the trainer and the engines have GPUs of
+    their own, else over ``gloo`` (a CPU on either side, or one GPU shared). ``disk`` is never
+    chosen, only kept. ValueError naming the flags for what cannot work: ``tensor`` without
+    ``--colocate`` (its handles open only in processes on the trainer's GPU and host, which only
+    colocation guarantees), ``nccl`` with a CPU on either side, or with trainer rank 0 and an engine
+    on one GPU (NCCL refuses two ranks of one group on one device: "Duplicate GPU detected", found
+    only at the first push, after the engines were paused).
+    """
+    if transport == "tensor" and not where.colocated:
+        raise ValueError("--update-weight-transport tensor hands the engines CUDA IPC handles (shared-memory files "
+                         "on the CPU), which open only in processes on the trainer's GPU and host: it needs "
+                         "--colocate, which places the engines there (or use --update-weight-transport auto)")
+    if transport == "auto":
+        transport = "tensor" if where.colocated else "distributed"
+    if transport != "distributed":
+        return transport, backend
+    if where.trainer != "cuda":
+        blocker = "the trainer runs on the CPU (--train-device cpu)"
+    elif where.engines == "cpu":
+        blocker = "the engines run on the CPU (--rollout-num-gpus 0 and no --device cuda in --engine-extra-args)"
+    elif where.colocated:
+        blocker = ("trainer rank 0 and an engine share a GPU (--colocate), and NCCL cannot join two ranks of one "
+                   "group on one GPU ('Duplicate GPU detected')")
+    elif where.shared_gpu:
+        blocker = (f"trainer rank 0 and an engine share a GPU ({where.shared_gpu}), and NCCL cannot join two ranks "
+                   "of one group on one GPU ('Duplicate GPU detected'): add --colocate (weights then go as CUDA "
+                   "IPC handles, --update-weight-transport tensor)")
+    else:
+        blocker = None
+    if backend == "nccl" and blocker:
+        raise ValueError(f"--update-weight-backend nccl: {blocker}; use --update-weight-backend gloo or auto")
+    if backend == "auto":
+        backend = "gloo" if blocker else "nccl"
+    return transport, backend
+
+
+# SGLang's dtype names (srt/configs/model_config.py, _STR_DTYPE_TO_TORCH_DTYPE)
+_SGLANG_DTYPES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32",
+                  "bfloat16": "bfloat16"}
+
+
+def sglang_serving_dtype(server_args: list[str], model_path: str | None) -> str | None:
+    """The dtype an SGLang server started with ``server_args`` (the ``--sglang-*`` pass-through,
+    as SGLang tokens) serves ``model_path`` in, by SGLang's own rule (``_get_and_verify_dtype`` in
+    srt/configs/model_config.py): ``--dtype`` if given, else (``auto``) the config's ``dtype`` /
+    ``torch_dtype`` (none: float32), where float32 is served as float16 (gemma models: bfloat16).
+    None when it cannot be known (no readable config.json, a dtype SGLang does not name)."""
+    dtype = "auto"
+    for i, tok in enumerate(server_args):
+        if tok == "--dtype" and i + 1 < len(server_args):
+            dtype = server_args[i + 1]
+        elif tok.startswith("--dtype="):
+            dtype = tok.split("=", 1)[1]
+    dtype = dtype.lower()
+    if dtype != "auto":
+        return _SGLANG_DTYPES.get(dtype)
+    try:
+        config = json.loads((Path(model_path or "") / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config_dtype = _SGLANG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"))
+    if config_dtype is None:
+        return None
+    if config_dtype == "float32":
+        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
+    return config_dtype

@@ -1,6 +1,6 @@
 """Settings and small contracts of weight_sync (the trainer side of a weight push).
 
-The sender speaks SGLang's weight-update HTTP API (DESIGN.md), so the same code drives real
+The sender speaks SGLang's weight-update HTTP API (docs/architecture.md; sglang_protocol/), so the same code drives real
 SGLang servers and the embedded engine. Every default of weight_sync lives in
 ``WeightSyncSettings`` below; ``weight_sync/arguments.py`` maps slime-style flags onto it.
 """
@@ -8,20 +8,29 @@ SGLang servers and the embedded engine. Every default of weight_sync lives in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
-TRANSPORTS = ("distributed", "disk")
+TRANSPORTS = ("auto", "distributed", "disk", "tensor")
 BACKENDS = ("auto", "gloo", "nccl")
 LOAD_FORMATS = ("flattened_bucket", "tensor")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 #: What a push consumes: ``(hf_name, full tensor)`` pairs, e.g. ``backend.named_hf_weights()``.
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-#: Where a pushed version is recorded: a callable ``f(version)``, or a buffer actor handle with
-#: ``set_weight_version.remote(version)`` (the data buffer), so that staleness is measured.
-VersionSink = Union[Callable[[int], Any], Any]
+
+
+@runtime_checkable
+class VersionSink(Protocol):
+    """Where a push records the weight version it installed, so that staleness is measured.
+
+    Any callable ``f(version)`` is one (a test passes ``list.append``); the launcher passes the
+    buffer's, ``buffer.retry.BufferVersionSink``, which calls the buffer actor's
+    ``set_weight_version`` across its restart. Called once per successful push, on trainer rank 0,
+    after every engine has the new weights."""
+
+    def __call__(self, version: int) -> Any: ...
 
 
 @dataclass
@@ -30,8 +39,13 @@ class WeightSyncSettings:
 
     transport: ``distributed`` (a process group: nccl on CUDA, gloo on CPU) or ``disk`` (write an
         HF checkpoint under ``disk_dir`` and POST ``/update_weights_from_disk``; for engines that
-        share no collective fabric with the trainer, only a filesystem).
-    backend: ``auto`` picks ``nccl`` when CUDA is available, else ``gloo``.
+        share no collective fabric with the trainer, only a filesystem), or ``tensor`` (colocated:
+        ``/update_weights_from_tensor`` with CUDA IPC handles to the trainer's buckets), or
+        ``auto``: the launcher picks from where the trainer and the engines run
+        (``weight_sync.arguments.resolve_transport``: ``tensor`` with ``--colocate``, else
+        ``distributed``); a sender given ``auto`` without that knowledge uses ``distributed``.
+    backend: ``auto`` picks ``nccl`` when CUDA is available, else ``gloo`` (the launcher resolves
+        it at start-up from the trainer's and the engines' devices instead).
     bucket_bytes: the most bytes packed into one broadcast (a tensor larger than this travels
         alone). One HTTP round trip per bucket, so larger buckets cost fewer round trips and more
         memory (a bucket is a copy on the trainer and on every engine).
@@ -43,15 +57,26 @@ class WeightSyncSettings:
     group_name: base name of the weight-update group (a generation suffix is added on reconnect).
     timeout_s: bound on every HTTP call and every collective of a push: a dead or stuck engine
         never holds the trainer longer than this.
-    check_equal: after a push, compare every engine's per-tensor checksums with the trainer's.
+    check_equal: after a push, compare every engine's per-tensor checksums with the trainer's
+        (``/weights_checksum``: the embedded engine's; SGLang has none, so ``connect`` refuses it).
     retries: how many times a failed push is redone (on the engines still alive) before raising.
     disk_dir: where the disk transport writes checkpoints (must be readable by the engines).
     disk_keep: how many pushed checkpoints to keep in ``disk_dir``.
     hf_checkpoint: the model's HF directory; the disk transport copies its config and tokenizer
         files next to the pushed weights so the written directory is a loadable checkpoint.
+    api_key / admin_api_key: the engines' ``--api-key`` / ``--admin-api-key`` (SGLang requires the
+        admin key on its weight-update endpoints once one is set); from ``--sglang-api-key`` /
+        ``--sglang-admin-api-key``.
+    engine_dtype: the dtype engines that do not list their parameters (SGLang has no
+        ``/weights_info``) serve floating-point weights in, e.g. ``"bfloat16"``; the launcher
+        derives it from ``--sglang-dtype`` and the model's config. A push casts each floating
+        tensor to its engines' dtype while packing a bucket (a trainer keeping fp32 master weights
+        sends half the bytes to a bf16 engine, and never holds a second full copy of the model);
+        engines that list their parameters (``/weights_info``) are cast to the dtypes they report.
+        None: such engines get the trainer's dtype and cast at load, as SGLang's loaders do.
     """
 
-    transport: str = "distributed"
+    transport: str = "auto"
     backend: str = "auto"
     bucket_bytes: int = 512 * 1024 ** 2
     load_format: str = "flattened_bucket"
@@ -65,6 +90,9 @@ class WeightSyncSettings:
     disk_dir: str | None = None
     disk_keep: int = 2
     hf_checkpoint: str | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    engine_dtype: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first bad setting."""
@@ -94,6 +122,13 @@ class WeightSyncSettings:
             raise ValueError("hf_checkpoint: required when transport is 'disk'")
         if not self.group_name:
             raise ValueError("group_name: must not be empty")
+        if self.engine_dtype is not None and not is_float_dtype(self.engine_dtype):
+            raise ValueError(f"engine_dtype {self.engine_dtype!r}: expected a floating-point dtype name")
+
+    def resolved_transport(self) -> str:
+        """``distributed``, ``disk`` or ``tensor`` (``auto`` without the launcher's resolution:
+        ``distributed``, which works wherever the trainer and the engines run)."""
+        return "distributed" if self.transport == "auto" else self.transport
 
     def resolved_backend(self) -> str:
         """``gloo`` or ``nccl`` (``auto``: nccl where CUDA is available)."""
@@ -125,3 +160,9 @@ class TensorSpec:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's payloads carry)."""
     return str(dtype).removeprefix("torch.")
+
+
+def is_float_dtype(name: str) -> bool:
+    """Whether ``name`` (``"bfloat16"``, ``"torch.float32"``) names a floating-point torch dtype."""
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    return isinstance(dt, torch.dtype) and dt.is_floating_point

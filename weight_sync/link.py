@@ -6,25 +6,30 @@ rank 0 hosts the TCP rendezvous and joins in a thread; ``send_bucket`` POSTs a b
 to every engine and broadcasts the bucket from rank 0 while those requests are in flight (each
 engine receives inside its handler). Every step is bounded by ``timeout_s``; a failure raises
 ``PushFailed`` naming each engine (or ``trainer``) that failed.
+
+The ``tensor`` transport (colocated mode) has no group: ``TensorChannel.pack`` keeps a bucket on
+the trainer's device and ``send_tensor_bucket`` POSTs ``/update_weights_from_tensor`` with handles
+to it (``sglang_protocol/tensor_update.py``) to every engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from rollout_manager.engine_client import EngineClient
-from weight_sync._loop import SerialThread, free_port, in_thread
-from weight_sync.buckets import flatten_bucket
+from sglang_protocol.client import EngineClient
+from sglang_protocol.net import free_port
+from weight_sync._loop import SerialThread, in_thread
+from sglang_protocol import tensor_update
+from sglang_protocol.buckets import flatten_bucket, parse_dtype, unflatten_bucket
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.plan import Bucket
-from weight_sync.process_group import WeightUpdateGroup, init_weight_update_group
+from sglang_protocol.process_group import WeightUpdateGroup, init_weight_update_group
 
 logger = logging.getLogger(__name__)
 TRAINER = "trainer"
@@ -62,27 +67,142 @@ class Link:
         return [m[0] for m in self.members]
 
     def pack(self, named: list[tuple[str, torch.Tensor]], bucket: Bucket, device: torch.device) -> list[torch.Tensor]:
-        """The tensors to broadcast for ``bucket``: one flat tensor, or each tensor (contiguous)."""
+        """The tensors to broadcast for ``bucket``: its bytes as one flat ``uint8`` tensor (SGLang's
+        flattened bucket), or each tensor (contiguous). Tensors of another dtype than the bucket's
+        (the engines') are cast on the way in: one copy per tensor, into the bucket itself."""
+        dtype = parse_dtype(bucket.dtype)
         with torch.no_grad():
-            ts = [named[i][1].detach().to(device, non_blocking=True) for i in bucket.indices]
+            ts = [named[i][1].detach() for i in bucket.indices]
+            if any(t.dtype != dtype for t in ts):
+                if not self.flattened:
+                    return [t.to(device, dtype, non_blocking=device.type == "cuda").contiguous() for t in ts]
+                flat = self._slot(bucket.nbytes) if device.type == "cpu" else \
+                    torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)  # [bytes]
+                return [fill_cast(flat, ts, dtype)]
+            ts = [t.to(device, non_blocking=True) for t in ts]
             if self.flattened:
                 if len(ts) == 1 and ts[0].is_contiguous():
-                    return [ts[0].reshape(-1)]  # [numel], a view: a lone tensor needs no packing copy
+                    return [ts[0].reshape(-1).view(torch.uint8)]  # [bytes], a view: no packing copy
                 if device.type == "cpu":
                     return [self._pack_cpu(ts, bucket.nbytes)]
-                return [flatten_bucket(ts)]  # [sum of numels], the bucket's dtype
+                return [flatten_bucket(ts)]  # [bytes]
             return [t.contiguous() for t in ts]
 
-
     def _pack_cpu(self, ts: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+        flat = self._slot(nbytes)  # [bytes]
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in ts], out=flat)
+        return flat
+
+    def _slot(self, nbytes: int) -> torch.Tensor:
+        """The next of the two CPU packing buffers, as ``nbytes`` bytes."""
         slot = self._packs % 2
         self._packs += 1
         buf = self._staging[slot]
         if buf is None or buf.numel() < nbytes:
             buf = self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8)  # [bytes]
-        flat = buf[:nbytes].view(ts[0].dtype)  # [sum of numels]
-        torch.cat([t.reshape(-1) for t in ts], out=flat)
+        return buf[:nbytes]  # [bytes]
+
+
+@dataclass
+class TensorChannel:
+    """What the ``tensor`` transport keeps between buckets and pushes: the load format and, on the
+    CPU, two reused staging buffers in shared memory (bucket k packs into slot k % 2; engines
+    answer a bucket once they have copied it, so slot k % 2 is free again when bucket k + 2 packs)."""
+
+    flattened: bool
+    _staging: list = field(default_factory=lambda: [None, None])
+    _packs: int = 0
+
+    def pack(self, named: list[tuple[str, torch.Tensor]], bucket: Bucket) -> tuple[Any, list[torch.Tensor]]:
+        """``(obj, keep)``: what each engine rank deserialises for ``bucket`` (a flattened bucket, or
+        ``(name, tensor)`` pairs) and the tensors its handles point into, which must stay alive
+        until every engine has answered.
+
+        On CUDA the handles point at the trainer's memory: a lone contiguous tensor is sent as
+        is, several are packed into one flat buffer on their GPU (one handle per bucket), and
+        without flattening each tensor is sent as is. On the CPU the bucket is staged in shared
+        memory (sending a trainer tensor would move it there in place)."""
+        names = [s.name for s in bucket.specs]
+        dtypes = [parse_dtype(s.dtype) for s in bucket.specs]
+        shapes = [s.shape for s in bucket.specs]
+        dtype = parse_dtype(bucket.dtype)  # the engines' (tensors of another dtype are cast while packing)
+        with torch.no_grad():
+            ts = [named[i][1].detach() for i in bucket.indices]
+            cast = any(t.dtype != dtype for t in ts)
+            dev = ts[0].device
+            if dev.type == "cuda":
+                ts = [t.to(dev, dtype) for t in ts] if cast and not self.flattened else [t.to(dev) for t in ts]
+                if not self.flattened:
+                    ts = [t.contiguous() for t in ts]
+                    return list(zip(names, ts)), ts
+                if cast:  # one copy per tensor, into the bucket itself
+                    flat = fill_cast(torch.empty(bucket.nbytes, dtype=torch.uint8, device=dev), ts, dtype)  # [bytes]
+                elif len(ts) == 1 and ts[0].is_contiguous():
+                    flat = ts[0].reshape(-1).view(torch.uint8)  # [bytes], a view: no packing copy
+                else:
+                    flat = flatten_bucket(ts)  # [bytes]
+            else:
+                flat = self._stage(ts, bucket.nbytes, dtype if cast else None)  # [bytes]
+                if not self.flattened:
+                    return list(zip(names, unflatten_bucket(flat, dtypes, shapes))), [flat]
+        return tensor_update.flattened_bucket(names, flat, dtypes, shapes), [flat]
+
+    def _stage(self, ts: list[torch.Tensor], nbytes: int, cast_to: torch.dtype | None = None) -> torch.Tensor:
+        slot = self._packs % 2
+        self._packs += 1
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._staging[slot] = None  # drop the smaller one before allocating its successor
+            buf = self._staging[slot] = tensor_update.shared_cpu_buffer(nbytes)  # [bytes]
+        flat = buf[:nbytes]  # [bytes]
+        if cast_to is not None:
+            return fill_cast(flat, ts, cast_to)
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in ts], out=flat)
         return flat
+
+
+def fill_cast(flat: torch.Tensor, ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Write ``ts``, cast to ``dtype``, one after another into the ``uint8`` buffer ``flat`` (a
+    flattened bucket of ``dtype``: every offset is aligned); returns ``flat``. One copy per tensor
+    (``copy_`` casts and moves devices as it writes), so a cast never holds a second copy of the
+    bucket, let alone of the model."""
+    offset = 0
+    for t in ts:
+        n = t.numel() * dtype.itemsize
+        flat[offset:offset + n].view(dtype).view(t.shape).copy_(t, non_blocking=flat.is_cuda)
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"fill_cast: the tensors hold {offset} bytes as {dtype}, the bucket {flat.numel()}")
+    return flat
+
+
+async def send_tensor_bucket(channel: TensorChannel, members: list[tuple[str, int, EngineClient]], obj: Any,
+                             settings: WeightSyncSettings, weight_version: str | None, flush_cache: bool,
+                             after_issue: Callable[[], None] | None = None) -> None:
+    """POST ``/update_weights_from_tensor`` with ``obj`` (from ``TensorChannel.pack``) to every
+    member, serialised once per TP rank; returns when every engine has answered, i.e. has copied
+    the bucket. ``after_issue()`` runs once the requests are out, while the answers are awaited.
+    PushFailed naming each engine (or the trainer, if serialising failed) that failed."""
+    fmt = tensor_update.FLATTENED if channel.flattened else None
+    try:
+        bodies = [tensor_update.request_body(obj, g, fmt, flush_cache, weight_version) for _, g, _ in members]
+    except Exception as e:  # nothing was sent
+        raise PushFailed({TRAINER: f"serialising the bucket: {type(e).__name__}: {e}"}) from e
+    posts = [asyncio.ensure_future(c.update_weights_from_tensor(body, settings.timeout_s))
+             for (_, _, c), body in zip(members, bodies)]
+    error = None
+    if after_issue is not None:
+        await asyncio.sleep(0)  # the requests are written first
+        try:
+            after_issue()
+        except Exception as e:  # raised once this bucket's requests are settled
+            error = e
+    outs = await asyncio.gather(*posts, return_exceptions=True)
+    if error is not None:
+        raise error
+    failed = _failures([u for u, _, _ in members], outs, "update_weights_from_tensor")
+    if failed:
+        raise PushFailed(failed)
 
 
 async def open_link(settings: WeightSyncSettings, members: list[tuple[str, int, EngineClient]], name: str) -> Link:
@@ -220,22 +340,13 @@ async def _gather_bounded(aws: list, timeout_s: float, on_failure=None, grace_s:
 
 
 async def abort_link(link: Link) -> None:
-    """Tear down rank 0's side of a failed group at once. Dropping the last reference to the gloo
-    process group closes its connections, which wakes engines still blocked in a receive of this
-    bucket (their requests then fail now instead of at their own, possibly long, timeout);
-    ``ProcessGroup.abort()`` does not do that for gloo (measured with torch 2.13)."""
+    """Tear down rank 0's side of a failed group at once (``WeightUpdateGroup.abort``): engines
+    still blocked in a receive of this bucket then fail now instead of at their own, possibly
+    long, timeout."""
     link.broken = True
     link.worker.stop()
-    ref, link.group.pg = [link.group.pg], None  # type: ignore[assignment]  # the only reference left
-
-    def drop(pg_ref: list) -> None:
-        if hasattr(pg_ref[0], "abort"):
-            pg_ref[0].abort()  # NCCL: aborts the communicator; gloo: a no-op
-        pg_ref.clear()
-        gc.collect()
-
     try:
-        await asyncio.wait_for(in_thread(drop, ref), 10.0)
+        await asyncio.wait_for(in_thread(link.group.abort), 10.0)
     except Exception as e:  # the group is dropped either way; say why tearing it down did not work
         logger.warning("aborting weight-update group %s on the trainer: %s: %s", link.name, type(e).__name__, e)
 

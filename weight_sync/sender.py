@@ -4,37 +4,54 @@ A push of version v (transport ``distributed``):
 1. validate every tensor's name, shape and dtype against what each engine reported at connect
    (an error names the tensor; nothing has been sent yet);
 2. pack bucket 0 (the engines still generate), then ``/pause_generation`` on every engine
-   (``weight_sync/time_s`` is measured from here to the end of 5: what generation loses);
+   (``weight_sync/time_s`` is measured from here to the end of 5: what generation loses), then
+   ``/begin_weight_update`` (SGLang >= 0.5.22 loads weights only inside that session; a 404 from
+   an older server means none is needed);
 3. per bucket: POST ``/update_weights_from_distributed`` (names, dtypes, shapes) to every engine
    and, while those requests are in flight, broadcast the bucket from rank 0 (the engines receive
    inside their handlers); the next bucket is packed while the current one travels;
-4. optionally compare per-tensor checksums (``check_equal``);
-5. ``/continue_generation`` (over NCCL without the check: as soon as the last bucket is answered,
-   while rank 0 waits for its last transfers; an engine's next forwards queue on its GPU behind the
-   copies); record v (buffer actor or callback).
+4. ``/end_weight_update``; optionally compare per-tensor checksums (``check_equal``);
+5. ``/continue_generation`` (over NCCL without the check: as soon as the last bucket is answered
+   and the session closed, while rank 0 waits for its last transfers; an engine's next forwards
+   queue on its GPU behind the copies); record v (buffer actor or callback).
+A push that fails still closes the session on every engine that answers.
 Only the last bucket carries ``weight_version`` (and ``flush_cache``), so an engine reports v only
 once all of v is in place. If an engine dies or stalls, the push fails within ``timeout_s``; the
 engines still alive stay paused (their weights may be half-updated), the group is rebuilt
 without the dead ones and the whole push is redone, so they end at v together. A dead engine that
 answers ``/health`` again rejoins at the next push (or at once with ``resync``). Re-pushing a
 version is safe (it overwrites the same values).
+
+Transport ``tensor`` (colocated mode: trainer and engines on the same GPUs) has no process group:
+the same pause -> begin -> buckets -> end -> continue sequence, and per bucket one POST
+``/update_weights_from_tensor`` per engine carrying, for each of its TP ranks, a serialised handle
+to the bucket (CUDA IPC on GPUs: the engine maps the trainer's memory and copies from it, nothing
+goes through the host; a shared-memory file on the CPU). A bucket is kept flattened (one handle
+per bucket, ``load_format`` ``flattened_bucket``) and alive until every engine has answered it (an
+engine answers once it has copied it); bucket k+1 is packed while bucket k's requests are in
+flight. TODO: opening a CUDA IPC handle costs far more than the copy behind it, and each bucket
+is a fresh allocation and so a fresh handle; one persistent buffer, mapped once by each engine and
+refilled per bucket, would leave only the copies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from collections import deque
 from typing import Callable
 
-from rollout_manager.engine_client import EngineClient
+from sglang_protocol.client import EngineClient, normalize_url
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
-from weight_sync.link import Link, PushFailed, abort_link, close_link, open_link, send_bucket, wait_transfer
-from weight_sync.plan import check_against_engine, check_tensors, plan_buckets
+from weight_sync.link import (Link, PushFailed, TensorChannel, abort_link, close_link, open_link, send_bucket,
+                              send_tensor_bucket, wait_transfer)
+from weight_sync.plan import check_against_engine, check_tensors, plan_buckets, push_specs
 
 logger = logging.getLogger(__name__)
 GiB = 1024 ** 3
@@ -49,16 +66,30 @@ class WeightSender:
     ``version_sink``: where each pushed version is recorded (a callable ``f(v)`` or the buffer
     actor, via ``set_weight_version.remote(v)``), so the buffer measures staleness. It runs its own
     event loop in a daemon thread; call it from plain trainer code.
+
+    ``post_write(version_dir, engine_urls)`` (disk transport only; slime's
+    ``--custom-update-weight-post-write-path``, bound by ``weight_sync.arguments.load_post_write_hook``)
+    runs in a worker thread once a version's directory is complete, before any engine is asked to
+    load it; if it raises, the push fails naming the flag and no engine loads that version.
     """
 
-    def __init__(self, settings: WeightSyncSettings, version_sink: VersionSink | None = None):
+    def __init__(self, settings: WeightSyncSettings, version_sink: VersionSink | None = None,
+                 post_write: Callable[[str, list[str]], None] | None = None):
         settings.validate()
+        if post_write is not None and settings.transport != "disk":
+            raise ValueError(f"post_write (--custom-update-weight-post-write-path) runs after the disk transport "
+                             f"writes a version; transport is {settings.transport!r}")
+        self.post_write = post_write
+        if settings.transport == "auto":  # the launcher resolves auto; used alone, the one that works anywhere
+            settings = dataclasses.replace(settings, transport=settings.resolved_transport())
         self.settings = settings
         self.version_sink = version_sink
         self.engines: list[EngineState] = []
         self.version: int | None = None
         self._link: Link | None = None
+        self._channel = TensorChannel(settings.load_format == "flattened_bucket")  # transport "tensor"
         self._generation = 0
+        self._instance = uuid.uuid4().hex[:8]
         self._loop = LoopThread()
         self._closed = False
         # Set to a list to record each push's timeline: (event, bucket index or -1,
@@ -107,9 +138,12 @@ class WeightSender:
         for e in self.engines:
             if e.alive and e.params is not None:
                 check_against_engine(specs, e.params, e.url, e.tied, e.complete)
-        buckets = plan_buckets(specs, self.settings.bucket_bytes)
-        metrics = self._loop.run(self._push(named, specs, buckets, version, progress),
+        # floating tensors travel in the engines' dtype (cast per bucket while packing)
+        sent = push_specs(specs, [e.params for e in self.engines], self.settings.engine_dtype)
+        buckets = plan_buckets(sent, self.settings.bucket_bytes)
+        metrics = self._loop.run(self._push(named, sent, buckets, version, progress),
                                  timeout=self._outer_timeout(len(buckets)))
+        metrics["weight_sync/cast_tensors"] = float(sum(a.dtype != b.dtype for a, b in zip(specs, sent)))
         self.version = version
         self._record_version(version)
         return metrics
@@ -157,7 +191,7 @@ class WeightSender:
 
     def _engine(self, url: str) -> EngineState:
         for e in self.engines:
-            if e.url == url.rstrip("/") or e.client.base_url == url.rstrip("/"):
+            if e.url == normalize_url(url) or e.client.base_url == normalize_url(url):
                 return e
         raise ValueError(f"engine_url {url!r}: not one of the connected engines")
 
@@ -166,26 +200,23 @@ class WeightSender:
             self.trace.append((event, bucket, time.perf_counter()))
 
     def _record_version(self, version: int) -> None:
-        sink = self.version_sink
-        if sink is None:
-            return
-        if hasattr(sink, "set_weight_version"):  # a Ray actor handle (the buffer)
-            import ray  # only needed when a Ray handle was given
-
-            ray.get(sink.set_weight_version.remote(version), timeout=self.settings.timeout_s)
-        else:
-            sink(version)
+        if self.version_sink is not None:  # the buffer's: buffer.retry.BufferVersionSink (survives its restart)
+            self.version_sink(version)
 
     async def _connect(self, urls: list[str], gpus: list[int]) -> None:
         t = self.settings.timeout_s
-        self.engines = [EngineState(u.rstrip("/"), g, EngineClient(u, timeout=t)) for u, g in zip(urls, gpus)]
+        self.engines = [EngineState(normalize_url(u), g, EngineClient(u, timeout=t, api_key=self.settings.api_key,
+                                                                admin_api_key=self.settings.admin_api_key),
+                                    check_equal=self.settings.check_equal) for u, g in zip(urls, gpus)]
         await asyncio.gather(*(fetch_params(e, self.settings.timeout_s) for e in self.engines))
         if self.settings.transport == "distributed":
             self._link = await self._open(self.engines)
 
     async def _open(self, members: list[EngineState]) -> Link:
         self._generation += 1
-        name = f"{self.settings.group_name}_{self._generation}"
+        # unique per sender: engines started with --engine-urls outlive a trainer restart and may
+        # still hold a group of the old trainer's (SGLang refuses a name it already has)
+        name = f"{self.settings.group_name}_{self._instance}_{self._generation}"
         return await open_link(self.settings, [(e.url, e.gpus, e.client) for e in members], name)
 
     async def _relink(self, members: list[EngineState]) -> Link:
@@ -217,11 +248,26 @@ class WeightSender:
             e.alive, back = True, back + 1
         return back
 
+    async def _drop_link_if_restarted(self) -> None:
+        """An engine that reports another weight version than the last one it received was restarted
+        (it serves its checkpoint and has left the group): rebuild the group before sending, rather
+        than after a failed first attempt."""
+        live = [e for e in self.engines if e.alive and e.version is not None]
+        if self._link is None or not live:
+            return
+        seen = await asyncio.gather(*(e.client.get_weight_version() for e in live), return_exceptions=True)
+        restarted = [e.url for e, v in zip(live, seen) if not isinstance(v, BaseException) and str(v) != str(e.version)]
+        if restarted:
+            logger.info("engines %s were restarted since the last push; rebuilding the weight-update group", restarted)
+            link, self._link = self._link, None
+            await close_link(link, min(self.settings.timeout_s, 10.0))
+
     async def _push(self, named, specs, buckets, version, progress) -> dict[str, float]:
         s = self.settings
         total_bytes = sum(b.nbytes for b in buckets)
         last_error: Exception | None = None
         revived = await self._revive(specs)
+        await self._drop_link_if_restarted()
         for attempt in range(s.retries + 1):
             members = [e for e in self.engines if e.alive]
             if not members:
@@ -236,6 +282,9 @@ class WeightSender:
                     first = self._pack_first(link, named, buckets[0])
                     if link.device.type != "cuda":
                         await first
+                elif s.transport == "tensor":
+                    self._channel.flattened = s.load_format == "flattened_bucket"
+                    staged = [await self._pack_tensors(named, buckets[0])]
                 t_pause = time.perf_counter()  # generation stops from here
                 self._mark("pause")
                 await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
@@ -243,10 +292,17 @@ class WeightSender:
                 self._mark("paused")
                 resume = None if s.check_equal else members  # continue while the last transfers end
                 if s.transport == "distributed":
+                    await call_all(members, lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
                     bcast_s = await self._send_all(link, named, buckets, version, progress, first, resume)
+                    if resume is None:
+                        await _end_session(members, s.timeout_s)
+                elif s.transport == "tensor":
+                    await call_all(members, lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+                    bcast_s = await self._send_tensors(members, named, buckets, version, progress, staged)
+                    await _end_session(members, s.timeout_s)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
-                check_s = await check_equal(members, named, s.timeout_s) if s.check_equal else 0.0
+                check_s = await check_equal(members, named, s.timeout_s, specs) if s.check_equal else 0.0
                 t_checked = time.perf_counter()
                 if s.transport != "distributed" or resume is None:
                     self._mark("continue")
@@ -316,7 +372,7 @@ class WeightSender:
                     flat_next = loop.run_in_executor(None, link.pack, named, buckets[i + 1], dev)
             last = i == len(buckets) - 1
             ev = await send_bucket(link, b, packed, s, weight_version=str(version) if last else None,
-                                   flush_cache=last, after_issue=after)
+                                   flush_cache=last and s.pause_mode != "in_place", after_issue=after)
             self._mark("answered", i)
             del packed
             if nxt:
@@ -332,8 +388,7 @@ class WeightSender:
         resumed = None
         if resume is not None:
             self._mark("continue")
-            resumed = asyncio.ensure_future(call_all(resume, lambda c: c.continue_generation(),
-                                                     "continue_generation"))
+            resumed = asyncio.ensure_future(_end_session(resume, s.timeout_s, then_continue=True))
         try:
             while inflight:
                 j, done = inflight.popleft()
@@ -346,11 +401,61 @@ class WeightSender:
             resumed.result()  # a PushFailed from continue_generation
         return time.perf_counter() - t
 
+    def _pack_tensors(self, named, bucket) -> "asyncio.Future":
+        """Start packing a bucket for the tensor transport: on a GPU right here (it only queues
+        the copies), on the CPU in a worker thread."""
+        loop = asyncio.get_running_loop()
+        if named[bucket.indices[0]][1].is_cuda:
+            fut = loop.create_future()
+            fut.set_result(self._channel.pack(named, bucket))
+            return fut
+        return loop.run_in_executor(None, self._channel.pack, named, bucket)
+
+    async def _send_tensors(self, members: list[EngineState], named, buckets, version: int, progress,
+                            staged: list | None = None) -> float:
+        """Send every bucket with the tensor transport (``staged``: ``[bucket 0 packed]``, emptied
+        here); return the seconds spent sending. Bucket k+1 is packed while bucket k's requests are
+        in flight; bucket k is let go once every engine has answered it (each has copied it by then):
+        packed buckets are held in lists that are emptied, so no frame keeps one longer."""
+        s = self.settings
+        peers = [(e.url, e.gpus, e.client) for e in members]
+        staged = staged if staged else [await self._pack_tensors(named, buckets[0])]
+        t = time.perf_counter()
+        for i in range(len(buckets)):
+            obj, keep = staged.pop()
+            self._mark("packed", i)
+            last = i == len(buckets) - 1
+            pending: list = []
+
+            def pack_next(i: int = i) -> None:
+                pending.append(self._pack_tensors(named, buckets[i + 1]))
+            try:
+                await send_tensor_bucket(self._channel, peers, obj, s, weight_version=str(version) if last else None,
+                                         flush_cache=last and s.pause_mode != "in_place",
+                                         after_issue=None if last else pack_next)
+            except BaseException:
+                await asyncio.gather(*pending, return_exceptions=True)  # CPU: a thread may still fill a slot
+                raise
+            self._mark("answered", i)
+            del obj, keep
+            if pending:
+                staged.append(await pending.pop())
+            if progress is not None:
+                progress(i + 1, len(buckets))
+        return time.perf_counter() - t
+
     async def _send_disk(self, members: list[EngineState], named, version: int) -> float:
         s = self.settings
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, disk.write_hf_checkpoint, named, s.disk_dir, version,
                                           s.hf_checkpoint, s.disk_keep)
+        if self.post_write is not None:
+            urls = [e.url for e in members]
+            try:
+                await loop.run_in_executor(None, self.post_write, str(path), urls)
+            except Exception as e:  # the user's hook: the engines must not load what it did not publish
+                raise RuntimeError(f"push v{version}: --custom-update-weight-post-write-path failed on {path}: "
+                                   f"{type(e).__name__}: {e}") from e
         t = time.perf_counter()
         await call_all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
                                                                       timeout=s.timeout_s),
@@ -358,9 +463,13 @@ class WeightSender:
         return time.perf_counter() - t
 
     async def _after_failure(self, members: list[EngineState], err: PushFailed) -> None:
-        """Mark engines that stopped answering as dead and drop the (now inconsistent) group."""
+        """Mark engines that stopped answering as dead, close the weight-update session on the
+        others and drop the (now inconsistent) group."""
         healthy = await asyncio.gather(*(e.client.health(timeout=min(5.0, self.settings.timeout_s))
                                          for e in members))
+        if self.settings.transport != "disk":  # best effort: "no session open" is fine too
+            await asyncio.gather(*(e.client.end_weight_update(min(10.0, self.settings.timeout_s))
+                                   for e, ok in zip(members, healthy) if ok), return_exceptions=True)
         for e, ok in zip(members, healthy):
             if e.url in err.failed:
                 e.errors.append(err.failed[e.url])
@@ -386,21 +495,34 @@ class WeightSender:
         specs = check_tensors(named)
         if e.params is not None:
             check_against_engine(specs, e.params, e.url, e.tied, e.complete)
+        specs = push_specs(specs, [e.params], self.settings.engine_dtype)
         buckets = plan_buckets(specs, self.settings.bucket_bytes)
         s = self.settings
         t0 = time.perf_counter()
         if s.transport == "disk":
             await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
             await self._send_disk([e], named, version)
+        elif s.transport == "tensor":
+            self._channel.flattened = s.load_format == "flattened_bucket"
+            await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+            await call_all([e], lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+            try:
+                await self._send_tensors([e], named, buckets, version, None)
+            finally:
+                await _end_session([e], s.timeout_s)
         else:
             link = await self._open([e])  # a group of the trainer and this engine only
             try:
                 await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
-                await self._send_all(link, named, buckets, version, None)
+                await call_all([e], lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+                try:
+                    await self._send_all(link, named, buckets, version, None)
+                finally:
+                    await _end_session([e], s.timeout_s)
             finally:
                 await close_link(link, s.timeout_s)
         if s.check_equal:
-            await check_equal([e], named, s.timeout_s)
+            await check_equal([e], named, s.timeout_s, specs)
         await call_all([e], lambda c: c.continue_generation(), "continue_generation")
         e.version = version
         return {"weight_sync/resync_s": time.perf_counter() - t0}
@@ -413,3 +535,10 @@ class WeightSender:
             await e.client.close()
         await asyncio.sleep(0.05)  # aiohttp closes transports on the next loop iterations
 
+
+async def _end_session(members: list[EngineState], timeout_s: float, then_continue: bool = False) -> None:
+    """``/end_weight_update`` on every member (a 404 from an older server is fine), then
+    ``/continue_generation`` if asked; PushFailed naming each engine that failed."""
+    await call_all(members, lambda c: c.end_weight_update(timeout_s), "end_weight_update")
+    if then_continue:
+        await call_all(members, lambda c: c.continue_generation(), "continue_generation")

@@ -7,7 +7,7 @@ From Python: ``launch_engine_process(EngineSettings(...)) -> (Popen, url)`` or, 
 ``start_engine_actor(EngineSettings(...)) -> (actor, url)`` (``rollout_manager.engine.actor``).
 """
 
-from .launch import free_port, launch_engine_process, wait_healthy
+from .launch import launch_engine_process, wait_healthy
 from .settings import EngineSettings, parse_settings
 
-__all__ = ["EngineSettings", "parse_settings", "launch_engine_process", "wait_healthy", "free_port"]
+__all__ = ["EngineSettings", "parse_settings", "launch_engine_process", "wait_healthy"]

@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from .launch import free_port
+from sglang_protocol.net import free_port
 from .settings import EngineSettings
 
 

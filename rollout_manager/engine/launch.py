@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,16 +12,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_protocol.net import free_port
+
 from .settings import EngineSettings
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -60,6 +60,10 @@ class ModelRunner:
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
         self.device = torch.device(settings.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" means the process's current GPU (its CUDA_VISIBLE_DEVICES): give it the index
+            # that set_device, NCCL and CUDA IPC need
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = getattr(torch, settings.torch_dtype_name())
         self.config = AutoConfig.from_pretrained(settings.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_manager.engine_client import batch_rids
+from sglang_protocol.client import batch_rids
 
 # SGLang treats temperatures below this as greedy (top_k = 1, logprobs at temperature 1).
 SAMPLING_EPS = 1e-6

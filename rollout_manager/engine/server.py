@@ -15,8 +15,12 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from weight_sync.buckets import parse_dtype
+from sglang_protocol.buckets import parse_dtype
+from sglang_protocol.net import dumps, loads
+from sglang_protocol.tensor_update import parse_request
 
+from .access import check_master_address, check_weights_dir, split_list
+from .auth import auth_middleware
 from .model_runner import ModelRunner
 from .protocol import GenerateInput, ProtocolError, parse_generate_request
 from .scheduler import Request, Scheduler
@@ -26,21 +30,9 @@ from .weights import WeightManager, WeightUpdateError
 log = logging.getLogger(__name__)
 VERSION = "reservoir-embedded-engine 0.1"
 
-try:
-    import orjson
-
-    def _dumps(obj: Any) -> str:
-        return orjson.dumps(obj).decode()
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-    import json
-
-    _dumps, _loads = json.dumps, json.loads
-
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(data, status=status, dumps=_dumps)
+    return web.json_response(data, status=status, dumps=dumps)
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -66,7 +58,8 @@ class Engine:
 
     # --- app ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30,
+                              middlewares=[auth_middleware(self.settings.api_key, self.settings.admin_api_key)])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -76,12 +69,14 @@ class Engine:
                         ("/health_generate", self.health_generate), ("/model_info", self.model_info),
                         ("/get_model_info", self.model_info), ("/server_info", self.server_info),
                         ("/get_server_info", self.server_info), ("/get_load", self.get_load),
-                        ("/get_weight_version", self.get_weight_version),
                         ("/weights_checksum", self.weights_checksum), ("/weights_info", self.weights_info)):
             r.add_get(path, h)
             r.add_post(path, h)
         r.add_post("/init_weights_update_group", self._weights(self.init_weights_update_group))
+        r.add_post("/begin_weight_update", self._weights(self.begin_weight_update))
+        r.add_post("/end_weight_update", self._weights(self.end_weight_update))
         r.add_post("/update_weights_from_distributed", self._weights(self.update_weights_from_distributed))
+        r.add_post("/update_weights_from_tensor", self._weights(self.update_weights_from_tensor))
         r.add_post("/destroy_weights_update_group", self._weights(self.destroy_weights_update_group))
         r.add_post("/update_weights_from_disk", self._weights(self.update_weights_from_disk))
         r.add_post("/release_memory_occupation", self._weights(self.release_memory_occupation))
@@ -94,7 +89,7 @@ class Engine:
         if not raw:
             return {}
         try:
-            return _loads(raw)
+            return loads(raw)
         except ValueError as e:
             raise ProtocolError("body", f"malformed JSON: {e}") from e
 
@@ -251,7 +246,7 @@ class Engine:
         return _json(self._model_info())
 
     async def server_info(self, request: web.Request) -> web.Response:
-        s = dataclasses.asdict(self.settings)
+        s = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in ("api_key", "admin_api_key")}
         s.update({"model_path": self.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1,
                   "context_length": self.runner.context_length, "skip_tokenizer_init": False,
                   "served_model_name": self.settings.served_model_name or self.model_path,
@@ -264,9 +259,6 @@ class Engine:
 
     async def get_load(self, request: web.Request) -> web.Response:
         return _json([{"dp_rank": 0, **self.scheduler.load()}])
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return _json({"weight_version": self.scheduler.weight_version})
 
     async def v1_models(self, request: web.Request) -> web.Response:
         name = self.settings.served_model_name or self.model_path
@@ -314,9 +306,20 @@ class Engine:
         return handler
 
     async def init_weights_update_group(self, b: dict) -> str:
+        s = self.settings
+        check_master_address(str(b["master_address"]), split_list(s.weight_update_masters))
         await self.weights.init_group(str(b["master_address"]), int(b["master_port"]), int(b["rank_offset"]),
-                                      int(b["world_size"]), str(b["group_name"]), str(b.get("backend", "gloo")))
+                                      int(b["world_size"]), str(b["group_name"]), str(b.get("backend", "gloo")),
+                                      connect_timeout_s=s.weight_update_connect_timeout_s)
         return "Succeeded to initialize custom process group."
+
+    async def begin_weight_update(self, b: dict) -> str:
+        self.weights.begin_session()
+        return "Success"
+
+    async def end_weight_update(self, b: dict) -> str:
+        self.weights.end_session()
+        return "Success"
 
     async def update_weights_from_distributed(self, b: dict) -> str:
         await self.weights.update_from_distributed(list(b["names"]), list(b["dtypes"]), list(b["shapes"]),
@@ -324,12 +327,23 @@ class Engine:
                                                    b.get("weight_version"))
         return "Succeeded to update parameter online."
 
+    async def update_weights_from_tensor(self, b: dict) -> str:
+        """SGLang's ``/update_weights_from_tensor`` (colocated mode): TP rank 0's payload is loaded."""
+        req = parse_request(b)
+        if req.abort_all_requests:
+            self.scheduler.abort(None)
+        await self.weights.update_from_tensor(req)
+        if req.weight_version is None:
+            return "Success"
+        return f"Success Weight version updated to {req.weight_version}."
+
     async def destroy_weights_update_group(self, b: dict) -> str:
         await asyncio.get_running_loop().run_in_executor(None, self.weights.destroy_group, str(b["group_name"]))
         return "Succeeded to destroy custom process group."
 
     async def update_weights_from_disk(self, b: dict) -> str:
-        path = str(b["model_path"])
+        path = str(check_weights_dir(str(b["model_path"]), self.settings.model_path,
+                                     split_list(self.settings.weight_update_dirs)))
         await self.weights.update_from_disk(path, b.get("weight_version"))
         return "Succeeded to update model weights."
 

@@ -30,6 +30,11 @@ class EngineSettings:
     served_model_name: str | None = None
     native_forward: str = "auto"  # auto: the engine's own forward for llama-family models; off: transformers'
     weight_update_timeout_s: float = 600.0  # bound on joining / receiving a weight broadcast
+    weight_update_connect_timeout_s: float = 30.0  # bound on reaching the trainer's rendezvous
+    weight_update_masters: str = ""  # comma-separated non-loopback master addresses allowed (access.py)
+    weight_update_dirs: str = ""  # comma-separated directories /update_weights_from_disk may load (access.py)
+    api_key: str | None = None  # SGLang's --api-key (auth.py)
+    admin_api_key: str | None = None  # SGLang's --admin-api-key (auth.py)
     log_level: str = "info"
     extra: dict = field(default_factory=dict)  # free-form, reported in /server_info
 
@@ -85,6 +90,13 @@ _HELP = {
     "random_seed": "seed for requests without a sampling_seed",
     "weight_version": "initial weight version reported in meta_info",
     "num_threads": "torch intra-op threads",
+    "weight_update_connect_timeout_s": "seconds to reach the trainer's weight-update rendezvous",
+    "weight_update_masters": "comma-separated trainer addresses /init_weights_update_group may join besides "
+                             "loopback ones (multi-node: trainer rank 0's node IP)",
+    "weight_update_dirs": "comma-separated directories /update_weights_from_disk may load from, besides "
+                          "--model-path (no Hub downloads)",
+    "api_key": "SGLang's --api-key: requests need 'Authorization: Bearer KEY' (health probes excepted)",
+    "admin_api_key": "SGLang's --admin-api-key: the control routes (pause, weight updates, memory) need this key",
     "native_forward": "auto: the engine's own forward for Llama/Qwen2/Qwen3/Mistral (else transformers'); "
                       "off: always transformers' modules",
 }
@@ -92,7 +104,7 @@ _HELP = {
 
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser whose flags are the dataclass fields (SGLang's names)."""
-    ap = argparse.ArgumentParser(prog="python -m rollout_manager.engine",
+    ap = argparse.ArgumentParser(prog="python -m rollout_manager.engine", allow_abbrev=False,
                                  description="Embedded inference engine speaking SGLang's native HTTP API.")
     for f in dataclasses.fields(EngineSettings):
         if f.name == "extra":

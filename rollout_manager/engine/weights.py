@@ -1,10 +1,21 @@
 """Weight updates for the embedded engine, the way SGLang receives them.
 
-- ``init_group``: join the weight-update group (TCP rendezvous at master_address:master_port,
-  a PrefixStore named ``group_name``, rank ``rank_offset + tp_rank``; gloo on CPU, nccl on CUDA).
+- ``init_group``: join the weight-update group with ``sglang_protocol.process_group``, the steps
+  of SGLang's ``init_custom_process_group`` (rank ``rank_offset + tp_rank``; gloo on CPU, nccl on
+  CUDA).
+- ``begin_session`` / ``end_session``: SGLang >= 0.5.22's weight-update session
+  (``/begin_weight_update``, ``/end_weight_update``); ``update_from_distributed`` is refused
+  outside one, with SGLang's message, as SGLang refuses it.
 - ``update_from_distributed``: receive a bucket broadcast from rank 0, tensor by tensor or as one
-  flat tensor (``load_format: "flattened_bucket"``), then copy it into the model between two
-  forwards (in the scheduler thread), so no forward ever sees a half-updated model.
+  flat ``uint8`` tensor of the bucket's bytes (``load_format: "flattened_bucket"``, SGLang's
+  ``FlattenedTensorBucket``), then copy it into the model between two forwards (in the scheduler
+  thread), so no forward ever sees a half-updated model.
+- ``update_from_tensor``: SGLang's ``/update_weights_from_tensor`` (colocated mode): the body holds
+  handles to the trainer's tensors (CUDA IPC, or shared-memory files on the CPU), not their bytes
+  (``sglang_protocol/tensor_update.py``); they are opened off the loop, checked like a
+  distributed bucket, copied in the same way, and the request is answered only once the copy has
+  finished on the device, since the trainer may free or reuse that memory once answered. Refused
+  outside a session, as SGLang refuses it.
 - ``update_from_disk``: load a checkpoint and copy it in the same way.
 
 Where a bucket's time goes matters (a 512 MiB bucket crosses NVLink in ~1.5 ms), so:
@@ -44,8 +55,9 @@ from typing import Any, Callable
 
 import torch
 
-from weight_sync.buckets import parse_dtype, tensor_checksum
-from weight_sync.process_group import WeightUpdateGroup, init_weight_update_group
+from sglang_protocol.buckets import bucket_layout, parse_dtype, tensor_checksum, unflatten_bucket
+from sglang_protocol.process_group import WeightUpdateGroup, init_weight_update_group
+from sglang_protocol.tensor_update import TensorUpdateRequest, deserialize, named_tensors
 
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -120,10 +132,25 @@ class WeightManager:
         self._apply_error: str | None = None  # a bucket's copy failed since the last version switch
         self._side: torch.cuda.Stream | None = None  # see _copy_stream
         self._recv_buffers = _ReceiveBuffers()  # CPU, flattened buckets
+        self.session_open = False  # a weight-update session (/begin_weight_update) is open
+
+    # --- the weight-update session (SGLang >= 0.5.22) ---------------------------------------
+    def begin_session(self) -> None:
+        """``/begin_weight_update``: open the session that weight loads need (SGLang's rule)."""
+        if self.session_open:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+
+    def end_session(self) -> None:
+        """``/end_weight_update``: close the session (SGLang runs its post-load processing here;
+        a plain HF model has none)."""
+        if not self.session_open:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
 
     # --- groups -----------------------------------------------------------------------------
     async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                         group_name: str, backend: str) -> None:
+                         group_name: str, backend: str, connect_timeout_s: float | None = None) -> None:
         if group_name in self.groups:
             raise WeightUpdateError(f"group_name: group {group_name!r} already exists")
         if backend not in ("gloo", "nccl"):
@@ -136,7 +163,7 @@ class WeightManager:
         try:
             group = await loop.run_in_executor(ex, lambda: init_weight_update_group(
                 backend, master_address, master_port, rank_offset + tp_rank, world_size, group_name,
-                self.timeout_s, self.runner.device if backend == "nccl" else None))
+                self.timeout_s, self.runner.device if backend == "nccl" else None, connect_timeout_s))
         except BaseException:
             ex.shutdown(wait=False)
             raise
@@ -163,6 +190,9 @@ class WeightManager:
                                       group_name: str, load_format: str | None,
                                       weight_version: str | None = None) -> None:
         rec = {"handler": time.perf_counter()}  # this bucket's timeline (``self.trace``)
+        if not self.session_open:  # SGLang answers so without receiving the broadcast
+            raise WeightUpdateError("update_weights_from_distributed must run between "
+                                    "begin_weight_update() and end_weight_update()")
         g = self.groups.get(group_name)
         if g is None:
             raise WeightUpdateError(f"group_name: no group {group_name!r} (call /init_weights_update_group)")
@@ -177,9 +207,12 @@ class WeightManager:
         if load_format not in (None, "flattened_bucket"):
             raise WeightUpdateError(f"load_format: {load_format!r} is not supported (None or flattened_bucket); "
                                     "the broadcast was not drained")
-        if flat and len(set(tdtypes)) != 1:
-            raise WeightUpdateError("dtypes: a flattened bucket needs one dtype for all its tensors; "
-                                    "the broadcast was not drained")
+        if flat:
+            try:
+                layout = bucket_layout(tdtypes, tshapes)
+            except ValueError as e:
+                raise WeightUpdateError(f"dtypes/shapes: {e} (the broadcast was not drained)") from e
+            nbytes = layout[-1][0] + layout[-1][1]
         problem = self._check(names, tdtypes, tshapes)  # validated now, reported after draining
         dev = self.runner.device
         numels = [math.prod(sh) for sh in tshapes]
@@ -192,13 +225,12 @@ class WeightManager:
             rec["recv_start"] = time.perf_counter()
             if flat:
                 if dev.type == "cpu":
-                    raw, release = self._recv_buffers.take(sum(numels) * tdtypes[0].itemsize)
+                    buf, release = self._recv_buffers.take(nbytes)  # [bytes]
                     held.append(release)
-                    buf = raw.view(tdtypes[0])  # [numel]
                 else:  # the caching allocator already reuses GPU memory
-                    buf = torch.empty(sum(numels), dtype=tdtypes[0], device=dev)  # [numel]
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # [bytes]
                 g.group.broadcast(buf, src=0, stream=side)
-                return buf.split(numels)  # 1-D views, one per tensor
+                return unflatten_bucket(buf, tdtypes, tshapes)  # views, one per tensor
             out = []
             for dt, sh in zip(tdtypes, tshapes):
                 t = torch.empty(sh, dtype=dt, device=dev)
@@ -268,11 +300,47 @@ class WeightManager:
         rec["applied"] = time.perf_counter()
         self.trace.append(rec)
 
+    async def update_from_tensor(self, req: TensorUpdateRequest, tp_rank: int = 0) -> None:
+        """``/update_weights_from_tensor``: open this rank's payload (handles to the trainer's
+        tensors), check it against the model, copy it in between two forwards, and return once the
+        copy has finished: the trainer may free or reuse that memory as soon as this is answered."""
+        if not self.session_open:  # SGLang answers so before opening the payload
+            raise WeightUpdateError("update_weights_from_tensor must run between "
+                                    "begin_weight_update() and end_weight_update()")
+        if tp_rank >= len(req.serialized_named_tensors):
+            raise WeightUpdateError(f"serialized_named_tensors: {len(req.serialized_named_tensors)} payloads, "
+                                    f"none for TP rank {tp_rank}")
+        rec = {"handler": time.perf_counter()}  # this bucket's timeline (``self.trace``)
+
+        def open_payload() -> dict[str, torch.Tensor]:
+            # Off the loop: opening CUDA IPC handles blocks. The tensors stay where the handles
+            # point (a device other than the engine's too): the copy into the model reads them there.
+            try:
+                named = named_tensors(deserialize(req.serialized_named_tensors[tp_rank]), req.load_format)
+            except Exception as e:  # a payload that cannot be opened is a bad request, whatever broke
+                raise WeightUpdateError(f"serialized_named_tensors[{tp_rank}]: {type(e).__name__}: {e}") from e
+            problem = self._check([n for n, _ in named], [t.dtype for _, t in named],
+                                  [tuple(t.shape) for _, t in named])
+            if problem:
+                raise WeightUpdateError(problem)
+            return dict(named)
+
+        tensors = await asyncio.get_running_loop().run_in_executor(None, open_payload)
+        rec["recv_queued"] = time.perf_counter()
+        rec["bytes"] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+        try:
+            await self._apply(tensors, req.weight_version, drain=True)
+        except BaseException:
+            self._apply_error = None  # reported to this request already, not to a later bucket
+            raise
+        rec["applied"] = time.perf_counter()
+        self.trace.append(rec)
+
     async def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         def load() -> dict[str, torch.Tensor]:
-            m = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.runner.dtype)
+            m = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.runner.dtype, local_files_only=True)
             return dict(m.named_parameters(remove_duplicate=False))
 
         try:
@@ -300,13 +368,15 @@ class WeightManager:
         return None
 
     def _apply(self, tensors: dict[str, Any], weight_version: str | None,
-               release: Callable[[], None] | None = None, final: bool = True) -> "asyncio.Future[None]":
+               release: Callable[[], None] | None = None, final: bool = True,
+               drain: bool = False) -> "asyncio.Future[None]":
         """Queue the copy of ``tensors`` into the model between two forwards (the scheduler runs
         commands in order, before any forward that follows them). Returns a future of it.
         ``release()`` runs once the copy has run (or failed): ``tensors`` are free for reuse.
         ``final=False`` (a bucket that does not complete a version, engine paused): on CUDA the
         forwards' stream is not made to wait for this copy yet (the version's last bucket, or
-        ``settle``, does that).
+        ``settle``, does that). ``drain``: the future completes only once the copy has finished
+        on the device too (``tensors`` live in memory that their owner reuses afterwards).
 
         Buckets that do not complete a version are not waited for (one thread hop less per
         bucket): their copies run in queue order, and a failure is remembered and reported by
@@ -336,12 +406,16 @@ class WeightManager:
                             t.record_stream(side)
                     if final or not sched.paused:  # forwards (or reads) may follow
                         torch.cuda.current_stream(side.device).wait_stream(side)
+                    if drain:
+                        side.synchronize()
             except Exception as e:
                 self._apply_error = f"copying {len(tensors)} tensors into the model failed: {type(e).__name__}: {e}"
                 raise
             finally:
                 if release is not None:  # CPU copies are synchronous: done here
                     release()
+                if drain:  # the scheduler may hold this closure a while: let the owner's memory go now
+                    tensors.clear()
             if weight_version is not None:  # the version switches with the weights, atomically
                 error, self._apply_error = self._apply_error, None
                 if error:

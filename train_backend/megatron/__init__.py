@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from train_backend.interfaces import TrainSettings
+    from train_backend.settings import TrainSettings
     from train_backend.megatron.arguments import MegatronSettings
     from train_backend.megatron.backend import MegatronBackend
 

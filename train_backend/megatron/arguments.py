@@ -13,6 +13,16 @@ from dataclasses import dataclass
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOSS_HEADS = ("auto", "unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")  # = train_backend.megatron.attention.SDPA_BACKENDS
+# Megatron's --attention-backend -> the SDPA kernel tried first (fused = cuDNN's fused attention)
+ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "cudnn"}
+# slime's model flags whose only meaningful value here is the one given (dense models, no dropout)
+_ONLY = {"context_parallel_size": (1, "no context parallelism: sequences are packed per data-parallel rank"),
+         "expert_model_parallel_size": (1, "the backend builds dense GPT models (no MoE experts)"),
+         "expert_tensor_parallel_size": (1, "the backend builds dense GPT models (no MoE experts)"),
+         "hidden_dropout": (0.0, "RL trains without dropout: old, reference and new log-probs must come from "
+                                 "the same function (slime's scripts set 0)"),
+         "attention_dropout": (0.0, "RL trains without dropout: old, reference and new log-probs must come "
+                                    "from the same function (slime's scripts set 0)")}
 
 
 @dataclass
@@ -38,6 +48,13 @@ class MegatronSettings:
     torch_compile: bool | None = None  # torch.compile the norm modules (see model.compile_norms)
     sdpa_backend: str = "auto"  # which SDPA kernel the local layers try first (auto = torch's choice)
     fused_adam: bool = False  # torch's fused AdamW kernel instead of its foreach implementation
+    # slime's / Megatron-LM's flags (see _ONLY for the values that can be honoured)
+    attention_backend: str = "auto"
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -45,8 +62,9 @@ class MegatronSettings:
     def for_device(self, device_type: str) -> "MegatronSettings":
         """A copy with every ``auto``/``None`` choice made for ``device_type`` (``cuda`` or ``cpu``)."""
         cuda = device_type == "cuda"
+        sdpa = ATTENTION_BACKENDS.get(self.attention_backend, "auto") if self.sdpa_backend == "auto" else self.sdpa_backend
         return dataclasses.replace(
-            self, loss_head=("compiled" if cuda else "chunked") if self.loss_head == "auto" else self.loss_head,
+            self, sdpa_backend=sdpa, loss_head=("compiled" if cuda else "chunked") if self.loss_head == "auto" else self.loss_head,
             bias_swiglu_fusion=cuda if self.bias_swiglu_fusion is None else self.bias_swiglu_fusion,
             torch_compile=cuda if self.torch_compile is None else self.torch_compile)
 
@@ -65,6 +83,15 @@ class MegatronSettings:
             raise ValueError(f"--loss-head={self.loss_head!r}: expected one of {', '.join(LOSS_HEADS)}")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"--sdpa-backend={self.sdpa_backend!r}: expected one of {', '.join(SDPA_BACKENDS)}")
+        for name, (only, why) in _ONLY.items():
+            if getattr(self, name) != only:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: only {only} is supported ({why})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend={self.attention_backend!r}: expected one of "
+                             f"{', '.join(ATTENTION_BACKENDS)} (the local layers run torch's SDPA kernels)")
+        if self.attention_backend != "auto" and self.sdpa_backend not in ("auto", ATTENTION_BACKENDS[self.attention_backend]):
+            raise ValueError(f"--attention-backend {self.attention_backend} and --sdpa-backend {self.sdpa_backend} "
+                             "disagree: give one of them")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
@@ -102,6 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(auto = torch's default order)")
     g.add_argument("--fused-adam", action="store_true", default=d.fused_adam,
                    help="torch's fused AdamW kernel (without TE/apex megatron-core uses torch's foreach AdamW)")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=d.attention_backend,
+                   help="Megatron's name for the attention kernel: flash / fused pick SDPA's flash / cuDNN kernel first")
+    for name, (only, why) in _ONLY.items():
+        g.add_argument("--" + name.replace("_", "-"), type=type(only), default=getattr(d, name),
+                       help=f"slime's flag; only {only} ({why})")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", default=True,
+                   help="always so here: both backends take the attention softmax in float32")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True,
+                   help="always so here: gradients are accumulated and reduced in float32 (both backends)")
 
 
 def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
@@ -119,4 +155,6 @@ def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
         torch_compile=args.torch_compile,
         sdpa_backend=args.sdpa_backend,
         fused_adam=args.fused_adam,
+        attention_backend=args.attention_backend,
+        **{name: getattr(args, name) for name in _ONLY},
     )

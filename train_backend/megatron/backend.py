@@ -26,14 +26,16 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from buffer.sample import Sample
 from train_backend.batching import RolloutBatch, balance, begin_train_step, pack
-from train_backend.interfaces import TrainSettings
-from train_backend.losses import LossConfig, LossDenominators, rl_loss
+from train_backend.hooks import TrainHooks
+from train_backend.settings import TrainSettings
+from train_backend.losses import LossConfig, LossDenominators, count_samples_without_loss_tokens, rl_loss
 from train_backend.megatron import checkpoint, cpu_compat, forward, loss_head, model as mmodel, parallel, saving
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.schedule import learning_rate
 
-# Stats of rl_loss that are token means over the step (averaged over optimizer steps), and raw sums
-# normalised by the rollout-token count; same names as the torch backend.
+# Stats of rl_loss that are means over the step (over its loss tokens, or its samples under
+# seq_mean_token_mean; averaged over optimizer steps), and raw sums normalised by the rollout-token
+# count; same names as the torch backend.
 _STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "tis_weight", "tis_clipfrac")
 _ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
 _ALL_STATS = _STEP_STATS + _ROLLOUT_STATS + ("_rollout_tokens",)
@@ -70,6 +72,16 @@ def _fuse_adam(optimizer: Any) -> None:
             group["fused"] = True
 
 
+def _recompute_overrides(s: TrainSettings) -> dict[str, Any]:
+    """Megatron's --recompute-* flags, as its TransformerConfig takes them."""
+    if s.recompute_granularity is None:
+        return {}
+    out: dict[str, Any] = {"recompute_granularity": s.recompute_granularity}
+    if s.recompute_granularity == "full":
+        out.update(recompute_method=s.recompute_method, recompute_num_layers=s.recompute_num_layers)
+    return out
+
+
 class MegatronBackend:
     """See :class:`~train_backend.interfaces.TrainBackend`. Every rank of the job constructs one
     and calls each method in the same order (they are collective)."""
@@ -78,6 +90,7 @@ class MegatronBackend:
         from transformers import AutoConfig
 
         self.settings = settings
+        self.hooks = TrainHooks.load(settings)  # slime's trainer-side plugins (errors name the flag)
         self.mcfg = (megatron or MegatronSettings()).for_device(torch.device(settings.device).type)
         self.loss_cfg = LossConfig.from_settings(settings)
         self.device = torch.device(settings.device)
@@ -96,7 +109,8 @@ class MegatronBackend:
             self.config = mmodel.transformer_config(
                 self.dims, params_dtype=self.dtype, tp_size=tp, pp_size=pp,
                 sequence_parallel=self.mcfg.sequence_parallel, on_cpu=self.device.type == "cpu",
-                recompute=self.mcfg.recompute_activations, bias_swiglu_fusion=self.mcfg.bias_swiglu_fusion)
+                recompute=self.mcfg.recompute_activations, bias_swiglu_fusion=self.mcfg.bias_swiglu_fusion,
+                **_recompute_overrides(settings))
             reader = checkpoint.HFCheckpointReader(settings.hf_checkpoint)
             self.max_seq_len = self.dims.max_position_embeddings
             module = self._build(reader)
@@ -104,9 +118,12 @@ class MegatronBackend:
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=self.mcfg.use_distributed_optimizer)
             self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=module)
-            self.ref_model = self._build(reader).eval().requires_grad_(False) if settings.use_kl_loss else None
+            self.ref_model = None
+            if settings.use_kl_loss:  # --ref-load: the reference's own HF checkpoint
+                ref_reader = checkpoint.HFCheckpointReader(settings.ref_load) if settings.ref_load else reader
+                self.ref_model = self._build(ref_reader).eval().requires_grad_(False)
             self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+                OptimizerConfig(optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr,
                                 weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
                                 adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
                                 clip_grad=settings.clip_grad, bf16=self.dtype == torch.bfloat16,
@@ -117,6 +134,7 @@ class MegatronBackend:
                 _fuse_adam(self.optimizer)
             self.config.no_sync_func = self.model.no_sync
             self.config.finalize_model_grads_func = _finalize_grads
+            self.hooks.call_init()
         self.optimizer_steps = 0
         self.rank = dist.get_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -145,8 +163,12 @@ class MegatronBackend:
         if self.config.sequence_parallel and not (mmodel.HAVE_TE if use_te is None else use_te):
             # megatron-core's local (torch) norms refuse sequence parallelism
             raise ValueError("--sequence-parallel needs TransformerEngine layers (--transformer-impl)")
-        model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te,
-                                       sdpa_backend=self.mcfg.sdpa_backend).to(self.device)
+        if self.hooks.model_provider is not None:  # slime's --custom-model-provider-path
+            model = self.hooks.build_model(parallel_state.is_pipeline_first_stage(),
+                                           parallel_state.is_pipeline_last_stage()).to(self.device)
+        else:
+            model = mmodel.build_gpt_model(self.dims, self.config, self.hf_config, use_te=use_te,
+                                           sdpa_backend=self.mcfg.sdpa_backend).to(self.device)
         if self.dtype == torch.bfloat16:
             model.bfloat16()  # megatron-core's torch norms ignore params_dtype
         checkpoint.load_hf_weights(model, reader, self.dims)
@@ -243,20 +265,25 @@ class MegatronBackend:
         if not batch.samples:
             return metrics
         plans = [self._replica_share(batch, list(r), adv) for r in steps]
+        # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
+        denominators = count_samples_without_loss_tokens(
+            start.denominators, batch.skipped["empty_response"] + batch.skipped["zero_loss_mask"])
         # Old log-probs: with one optimizer step the policy is unchanged at each forward, so the
         # detached training log-probs are the old ones; otherwise a forward-only pass first.
+        self.hooks.call_before_log_prob([self.model], "")
         if len(steps) > 1:
             for mbs in plans:
                 for mb, lp in zip(mbs, self._forward_only(self.model, mbs)):
                     mb.extra["old_logp"] = lp
         if self.ref_model is not None:
+            self.hooks.call_before_log_prob([self.ref_model], "ref_")
             for mbs in plans:
                 for mb, lp in zip(mbs, self._forward_only(self.ref_model, mbs)):
                     mb.extra["ref_logp"] = lp
 
         sums = torch.zeros(len(_ALL_STATS), dtype=torch.float64)
         grad_norms, lrs, tokens = [], [], 0
-        for k, (mbs, denom) in enumerate(zip(plans, start.denominators)):
+        for k, (mbs, denom) in enumerate(zip(plans, denominators)):
             losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses
 
             def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom,
@@ -267,7 +294,8 @@ class MegatronBackend:
                 loss, stats = rl_loss(self.loss_cfg, denom, logp, logp.detach() if old is None else old,
                                       p.advantages, p.loss_mask, p.seq_ids, p.num_seqs, entropy=ent,
                                       ref_logp=mb.extra.get("ref_logp"), rollout_logp=p.rollout_logp,
-                                      rollout_mask=p.rollout_mask)
+                                      rollout_mask=p.rollout_mask, hooks=self.hooks,
+                                      total_lengths=p.total_lengths)
                 # Checked after the pipeline (before the optimizer step): a check here would stall
                 # the GPU queue once per micro-batch.
                 losses.append(loss.detach())
@@ -275,6 +303,7 @@ class MegatronBackend:
 
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
+            self.hooks.call_before_train_step(step, k, [self.model], self.optimizer, None)
             out = forward.run_pipeline([self.model], mbs, loss_fn, forward_only=False)
             if losses:
                 values = torch.stack(losses)  # [micro-batches]

@@ -1,7 +1,12 @@
 """The engine client: one async client for SGLang's native HTTP API.
 
 The same code talks to real SGLang servers, to the embedded engine and to sglang-router
-(which forwards ``/generate``). Payload field names are SGLang's (``srt/managers/io_struct.py``).
+(which forwards ``/generate``). Payload field names are SGLang's (``srt/managers/io_struct.py``);
+``tests/test_sglang_conformance.py`` builds SGLang's own request structs from every body sent here.
+Supported servers: SGLang 0.5.15 (slime's base) to 0.5.23. Where they differ the client follows
+the newer one and falls back on a 404: the weight-update session (``/begin_weight_update``,
+``/end_weight_update``, 0.5.22+) and the weight version (``/model_info``; ``/get_weight_version``
+before 0.5.22).
 It is built on aiohttp: under high concurrency it sustains several thousand requests/s on two
 cores, where httpx manages a few hundred (ENVIRONMENT.md, bench/rollout).
 """
@@ -12,6 +17,8 @@ import asyncio
 from typing import Any
 
 import aiohttp
+
+from sglang_protocol.net import dumps, dumps_bytes, loads
 
 
 _JSON = {"Content-Type": "application/json"}
@@ -30,16 +37,20 @@ class EngineClient:
 
     Create it inside a running event loop. ``timeout`` bounds every request (seconds, None = no
     bound). Pass a shared ``session`` to pool connections across clients; else one is owned.
+    ``api_key`` / ``admin_api_key``: the server's ``--api-key`` / ``--admin-api-key``, sent as
+    ``Authorization: Bearer``; control calls (weights, pause, flush, abort) send the admin key
+    when there is one, as SGLang requires for its admin endpoints once an admin key is set.
     """
 
     def __init__(self, base_url: str, timeout: float | None = None,
-                 session: aiohttp.ClientSession | None = None):
-        self.base_url = base_url.rstrip("/")
-        if not self.base_url.startswith("http"):
-            self.base_url = "http://" + self.base_url
+                 session: aiohttp.ClientSession | None = None, api_key: str | None = None,
+                 admin_api_key: str | None = None):
+        self.base_url = normalize_url(base_url)
         self._owns_session = session is None
         self._session = session or new_session()
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._headers = _auth(api_key)
+        self._admin_headers = _auth(admin_api_key or api_key)
 
     async def close(self) -> None:
         if self._owns_session:
@@ -52,21 +63,25 @@ class EngineClient:
         await self.close()
 
     async def request(self, method: str, path: str, payload: dict | None = None,
-                      timeout: float | None = None) -> Any:
-        """Send one request; return the decoded JSON (or text) body; raise EngineError on failure."""
+                      timeout: float | None = None, admin: bool = False) -> Any:
+        """Send one request; return the decoded JSON (or text) body; raise EngineError on failure.
+        ``admin``: a control call (sends the admin key, if one was given)."""
         url = self.base_url + path
         t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self._timeout
+        headers = self._admin_headers if admin else self._headers
         try:
             # bytes in, bytes out: serialise once to bytes and parse the body bytes directly (aiohttp's
-            # json= / resp.json() add a str round trip each way; ~25% of the client's CPU per request)
-            data = _dumps_bytes(payload) if payload is not None else None
-            async with self._session.request(method, url, data=data, headers=_JSON if data is not None else None,
+            # json= / resp.json() add a str round trip each way)
+            data = dumps_bytes(payload) if payload is not None else None
+            if data is not None:
+                headers = {**headers, **_JSON} if headers else _JSON
+            async with self._session.request(method, url, data=data, headers=headers or None,
                                              timeout=t) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
                     raise EngineError(url, resp.status, body.decode("utf-8", "replace"))
                 if resp.content_type == "application/json":
-                    return _loads(body)
+                    return loads(body)
                 text = body.decode("utf-8", "replace")
                 return text
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -111,16 +126,16 @@ class EngineClient:
         return out
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any:
-        return await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+        return await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all}, admin=True)
 
     async def pause_generation(self, mode: str = "abort") -> Any:
-        return await self.request("POST", "/pause_generation", {"mode": mode})
+        return await self.request("POST", "/pause_generation", {"mode": mode}, admin=True)
 
     async def continue_generation(self) -> Any:
-        return await self.request("POST", "/continue_generation", {})
+        return await self.request("POST", "/continue_generation", {}, admin=True)
 
     async def flush_cache(self) -> Any:
-        return await self.request("POST", "/flush_cache")
+        return await self.request("POST", "/flush_cache", admin=True)
 
     # --- weights ---------------------------------------------------------------------------
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -128,7 +143,28 @@ class EngineClient:
                                         timeout: float | None = None) -> dict:
         return await self.request("POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout)
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout, admin=True)
+
+    async def begin_weight_update(self, timeout: float | None = None) -> bool:
+        """POST /begin_weight_update (SGLang >= 0.5.22 loads weights only inside such a session).
+        True: a session is open; False: the server has no such route (older SGLang: none needed)."""
+        return await self._session_call("/begin_weight_update", timeout)
+
+    async def end_weight_update(self, timeout: float | None = None) -> bool:
+        """POST /end_weight_update: close the session (SGLang runs post-load processing here).
+        True: closed; False: the server has no such route."""
+        return await self._session_call("/end_weight_update", timeout)
+
+    async def _session_call(self, path: str, timeout: float | None) -> bool:
+        try:
+            out = await self.request("POST", path, {}, timeout, admin=True)
+        except EngineError as e:
+            if e.status == 404:
+                return False
+            raise
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(self.base_url + path, None, str(out.get("message")))
+        return True
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, weight_version: str | None = None,
@@ -140,19 +176,43 @@ class EngineClient:
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        return await self.request("POST", "/update_weights_from_distributed", payload, timeout)
+        return await self.request("POST", "/update_weights_from_distributed", payload, timeout, admin=True)
+
+    async def update_weights_from_tensor(self, body: dict, timeout: float | None = None) -> dict:
+        """POST /update_weights_from_tensor with a body from ``sglang_protocol.tensor_update.request_body``
+        (serialised tensor handles per TP rank; the colocated transport)."""
+        return await self.request("POST", "/update_weights_from_tensor", body, timeout, admin=True)
 
     async def destroy_weights_update_group(self, group_name: str) -> dict:
-        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name}, admin=True)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        timeout: float | None = None) -> dict:
         payload: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        return await self.request("POST", "/update_weights_from_disk", payload, timeout)
+        return await self.request("POST", "/update_weights_from_disk", payload, timeout, admin=True)
 
-    async def get_weight_version(self) -> str:
+    # --- memory (colocated mode) ------------------------------------------------------------
+    async def release_memory_occupation(self, tags: list[str] | None = None, timeout: float | None = None) -> Any:
+        """POST /release_memory_occupation: free the engine's GPU memory of ``tags`` (SGLang's
+        ``ReleaseMemoryOccupationReqInput``: ``weights``, ``kv_cache``, ``cuda_graph``; None: all)
+        for a trainer on the same GPU. SGLang releases only an idle engine (pause it first) and
+        only with ``--enable-memory-saver``; it answers ``null`` on success."""
+        return await self.request("POST", "/release_memory_occupation", _tags_body(tags), timeout, admin=True)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float | None = None) -> Any:
+        """POST /resume_memory_occupation: take back the memory of ``tags`` (SGLang's
+        ``ResumeMemoryOccupationReqInput``; None: all). Resume only tags that were released: SGLang's
+        scheduler fails on one it does not hold as released."""
+        return await self.request("POST", "/resume_memory_occupation", _tags_body(tags), timeout, admin=True)
+
+    async def get_weight_version(self) -> str | None:
+        """The weight version the server reports: ``/model_info``'s ``weight_version`` (SGLang
+        0.5.22+), else ``/get_weight_version`` (older servers)."""
+        info = await self.model_info()
+        if isinstance(info, dict) and "weight_version" in info:
+            return info["weight_version"]
         out = await self.request("GET", "/get_weight_version")
         return out["weight_version"] if isinstance(out, dict) else str(out)
 
@@ -178,6 +238,21 @@ class EngineClient:
         return await self.request("GET", "/server_info")
 
 
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``."""
+    url = url.strip().rstrip("/")
+    return url if url.startswith(("http://", "https://")) else "http://" + url
+
+
+def _tags_body(tags: list[str] | None) -> dict[str, Any]:
+    """The body of a memory-occupation call: SGLang's ``tags`` field, left out for "all"."""
+    return {} if tags is None else {"tags": list(tags)}
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def batch_rids(rid: str, n: int) -> list[str]:
     """The per-element rids SGLang gives a batch ``/generate`` whose ``rid`` is one string.
 
@@ -190,22 +265,4 @@ def batch_rids(rid: str, n: int) -> list[str]:
 def new_session(limit: int = 0) -> aiohttp.ClientSession:
     """A session for many concurrent requests (``limit=0``: no cap on pooled connections)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300),
-                                 json_serialize=_dumps)
-
-
-try:  # orjson comes with sglang-router; it is several times faster on token-id lists
-    import orjson
-
-    def _dumps(obj: Any) -> str:
-        return orjson.dumps(obj).decode()
-
-    _dumps_bytes = orjson.dumps
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-    import json
-
-    _dumps, _loads = json.dumps, json.loads
-
-    def _dumps_bytes(obj: Any) -> bytes:
-        return json.dumps(obj).encode()
+                                 json_serialize=dumps)

@@ -1,0 +1,169 @@
+"""Benchmark, colocated: a weight push over CUDA IPC (trainer and engine on one GPU) against a bare
+same-GPU copy of the same bytes.
+
+    python bench/weight_sync_colocated.py            # 0.5B / 1.5B / 7B llama-family sets, bf16, one GPU
+
+For each weight set (``bench/weight_sync.py``'s shapes and random bf16 weights): write an HF
+checkpoint, start one embedded engine on the trainer's GPU, connect a ``WeightSender`` with the
+``tensor`` transport (SGLang's ``/update_weights_from_tensor``, CUDA IPC handles) and time
+``--repeats`` pushes (pause -> continue) per variant after a warm-up round, interleaved with the
+ceiling: a bare ``copy_`` of every trainer tensor into a preallocated tensor of the same shape on
+the same GPU, and one flat copy of all the bytes (the faster of the two is the ceiling). Then one
+more push of changed values (every weight negated) per variant and a per-tensor checksum
+comparison with the engine, so the timed kind of push really lands. Also timed: the memory
+handoff of a colocated step (``EngineMemory``: pause + release the KV cache, then resume +
+continue). ``ratio`` = ceiling seconds / push seconds (medians), the worse of the 1.5B and 7B sets
+for the head variant. Writes ``bench/results/weight_sync_colocated.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# bench/weight_sync.py's weight sets and engine start (loaded by path: its module name is the package's)
+_spec = importlib.util.spec_from_file_location("bench_weight_sync", ROOT / "bench" / "weight_sync.py")
+_ws = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ws)
+
+GiB = 1024 ** 3
+TARGETED = ["1.5B", "7B"]
+TARGET = 0.6
+
+
+def bare_copy(named, dst: list[torch.Tensor], flat_src: torch.Tensor, flat_dst: torch.Tensor) -> tuple[float, float]:
+    """Seconds for a per-tensor ``copy_`` of every trainer tensor, and for one flat copy."""
+    sync = torch.cuda.synchronize if flat_src.is_cuda else (lambda: None)  # CPU: a smoke run of the script
+    sync()
+    t = time.perf_counter()
+    for (_, x), d in zip(named, dst):
+        d.copy_(x)
+    sync()
+    per_tensor = time.perf_counter() - t
+    t = time.perf_counter()
+    flat_dst.copy_(flat_src)
+    sync()
+    return per_tensor, time.perf_counter() - t
+
+
+def bench_set(name: str, args, work: Path) -> dict:
+    from sglang_protocol.net import free_port
+    from weight_sync.engines import EngineMemory, check_equal
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    named = _ws.make_weights(name, args.device)
+    nbytes = sum(x.numel() * x.element_size() for _, x in named)
+    model = _ws.write_checkpoint(name, named, work)
+    port = free_port()
+    proc = _ws.start_engine(model, args.device, port)
+    url = f"http://127.0.0.1:{port}"
+    senders = []
+    try:
+        for fmt, bucket in args.variants:
+            snd = WeightSender(WeightSyncSettings(transport="tensor", load_format=fmt, bucket_bytes=bucket,
+                                                  timeout_s=600.0, group_name=f"bench_{fmt}_{bucket}"))
+            snd.connect([url], [1])
+            senders.append(snd)
+        memory = EngineMemory([url], WeightSyncSettings(timeout_s=600.0))
+        dst = [torch.empty_like(x) for _, x in named]
+        flat_src = torch.empty(nbytes, dtype=torch.uint8, device=args.device)  # [bytes]
+        flat_dst = torch.empty_like(flat_src)  # [bytes]
+        bare: dict[str, list[float]] = {"per_tensor": [], "single": []}
+        pushes: list[list[dict]] = [[] for _ in senders]
+        handoff: list[dict] = []
+        version = 0
+        for r in range(args.repeats + 1):  # round 0 warms up (IPC handles, allocators, CUDA context)
+            per_tensor, single = bare_copy(named, dst, flat_src, flat_dst)
+            for k, snd in enumerate(senders):
+                version += 1
+                m = snd.push(named, version=version)
+                if r:
+                    pushes[k].append(m)
+            release = memory.release()
+            resume = memory.resume()
+            if r:
+                bare["per_tensor"].append(per_tensor)
+                bare["single"].append(single)
+                handoff.append({"release_s": release, "resume_s": resume})
+        del dst, flat_src, flat_dst
+        for _, t in named:
+            t.neg_()
+        variants = {}
+        ceiling = min(statistics.median(bare["per_tensor"]), statistics.median(bare["single"]))
+        for (fmt, bucket), snd, rs in zip(args.variants, senders, pushes):
+            version += 1
+            snd.push(named, version=version)
+            check_s = snd._loop.run(check_equal(snd.engines, named, 600.0), timeout=900)
+            push_s = statistics.median(x["weight_sync/time_s"] for x in rs)
+            variants[f"{fmt}:{bucket}"] = {
+                "push_s": push_s, "push_s_all": [x["weight_sync/time_s"] for x in rs],
+                "transfer_s": statistics.median(x["weight_sync/transfer_s"] for x in rs),
+                "pause_s": statistics.median(x["weight_sync/pause_s"] for x in rs),
+                "continue_s": statistics.median(x["weight_sync/continue_s"] for x in rs),
+                "num_buckets": rs[0]["weight_sync/num_buckets"], "push_gib_s": nbytes / GiB / push_s,
+                "ratio": ceiling / push_s, "check_s": check_s}
+        head = variants[f"{args.variants[0][0]}:{args.variants[0][1]}"]
+        return {"bytes": nbytes, "num_tensors": len(named), "push_s": head["push_s"], "ratio": head["ratio"],
+                "bare_per_tensor_s": statistics.median(bare["per_tensor"]),
+                "bare_single_s": statistics.median(bare["single"]), "ceiling_gib_s": nbytes / GiB / ceiling,
+                "handoff_release_s": statistics.median(h["release_s"] for h in handoff),
+                "handoff_resume_s": statistics.median(h["resume_s"] for h in handoff),
+                "checked_equal": True, "variants": variants}
+    finally:
+        for snd in senders:
+            snd.close()
+        proc.terminate()
+        proc.wait(60)
+        _ws.shutil_rmtree(work / name)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--sets", nargs="+", default=["0.5B", "1.5B", "7B"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["flattened_bucket:536870912", "tensor:536870912"],
+                    help="LOAD_FORMAT:BUCKET_BYTES pushes timed on the same engine (the first is the head)")
+    ap.add_argument("--device", default="cuda:0", help="the one GPU the trainer and the engine share")
+    ap.add_argument("--workdir", default="/tmp/bench_ws_colocated")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync_colocated.json"))
+    args = ap.parse_args(argv)
+    args.variants = [(v.partition(":")[0], int(v.partition(":")[2])) for v in args.variants]
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(args.device))
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    sets: dict[str, dict] = {}
+    for name in args.sets:
+        sets[name] = bench_set(name, args, work)
+        s = sets[name]
+        for key, v in s["variants"].items():
+            print(f"{name:>5} {key:>28} {s['bytes'] / GiB:7.3f} GiB  push {v['push_s'] * 1e3:8.1f} ms "
+                  f"({v['push_gib_s']:6.1f} GiB/s)  ceiling {s['ceiling_gib_s']:7.1f} GiB/s  ratio {v['ratio']:.3f}  "
+                  f"handoff {s['handoff_release_s'] * 1e3:.1f} + {s['handoff_resume_s'] * 1e3:.1f} ms", flush=True)
+        targeted = [sets[k]["ratio"] for k in TARGETED if k in sets]
+        result = {"name": "weight_sync_colocated", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "machine": f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}",
+                  "command": "python bench/weight_sync_colocated.py " + " ".join(argv or sys.argv[1:]),
+                  "metrics": {"variants": [f"{f}:{b}" for f, b in args.variants], "repeats": args.repeats,
+                              "sets": sets},
+                  "ratio": min(targeted) if targeted else None, "target": TARGET}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # after every set: a cut run keeps its sets
+    print(f"ratio {result['ratio']} (target {TARGET}); wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""``slime.rollout``: the rollout helpers slime plugins import."""

@@ -1,0 +1,115 @@
+"""``slime.utils.http_utils``: ``post`` / ``get`` for plugins that call the router themselves.
+
+``post(url, payload)`` sends JSON and returns the decoded JSON answer (or the text), as slime's
+does, with these rules of Reservoir's: connection errors, timeouts, 5xx and 429 answers are retried
+(up to ``max_retries``, one second apart, as slime); any other 4xx raises ``httpx.HTTPStatusError``
+at once (a bad request stays bad; slime retries it too). Requests to the router or an engine carry
+the engines' API key (``--sglang-api-key``) and time out after ``--rollout-request-timeout``. A
+``/generate`` answer's ``meta_info.weight_version`` is noted for the sample being generated, so a
+custom generate that never records it still produces samples tagged with the policy version.
+
+The concurrency limit (``--sglang-server-concurrency`` x engines) is held by the rollout around
+each custom generate call, as slime's ``generate_and_rm`` does: ``post`` itself does not take it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+_clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (a client is bound to its loop)
+
+
+def _client() -> httpx.AsyncClient:
+    loop = asyncio.get_running_loop()
+    c = _clients.get(id(loop))
+    if c is None or c.is_closed:
+        c = _clients[id(loop)] = httpx.AsyncClient(timeout=httpx.Timeout(None), trust_env=False,
+                                                  limits=httpx.Limits(max_connections=None,
+                                                                      max_keepalive_connections=256))
+    return c
+
+
+async def close_http_clients() -> None:
+    """Close this loop's client (the rollout manager calls this at shutdown)."""
+    c = _clients.pop(id(asyncio.get_running_loop()), None)
+    if c is not None:
+        await c.aclose()
+
+
+def _context() -> Any:
+    from rollout_manager.generate import _CONTEXT
+
+    return _CONTEXT.get(None)
+
+
+def _engine_request(url: str) -> tuple[dict[str, str], float | None]:
+    """Headers and timeout for ``url``: the API key and request timeout when it is our router or engine."""
+    ctx = _context()
+    if ctx is None:
+        return {}, None
+    bases = [ctx.client.base_url, *ctx.engine_urls()]
+    if not any(url.startswith(b.rstrip("/") + "/") for b in bases):
+        return {}, None
+    key = ctx.settings.engines.api_key
+    return ({"Authorization": f"Bearer {key}"} if key else {}), ctx.settings.sampling.request_timeout
+
+
+def _retryable(e: Exception) -> bool:
+    if isinstance(e, httpx.HTTPStatusError):
+        return e.response.status_code >= 500 or e.response.status_code == 429
+    return isinstance(e, (httpx.TransportError, asyncio.TimeoutError))
+
+
+async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
+    """POST ``payload`` as JSON to ``url``; the decoded JSON answer (or its text). See the module doc."""
+    from rollout_manager.generate import note_weight_versions
+
+    extra, timeout = _engine_request(url)
+    attempt = 0
+    while True:
+        try:
+            resp = await _client().post(url, json=payload or {}, headers={**extra, **(headers or {})},
+                                        timeout=timeout)
+            resp.raise_for_status()
+            try:
+                out = json.loads(resp.content)
+            except json.JSONDecodeError:
+                out = resp.text
+            break
+        except Exception as e:
+            attempt += 1
+            if not _retryable(e) or attempt >= max_retries:
+                raise
+            log.info("POST %s failed (%s: %s); retrying (%d/%d)", url, type(e).__name__, e, attempt, max_retries)
+            await asyncio.sleep(1.0)
+    note_weight_versions(out)
+    return out
+
+
+async def get(url: str) -> Any:
+    """GET ``url``; the decoded JSON answer."""
+    extra, timeout = _engine_request(url)
+    resp = await _client().get(url, headers=extra, timeout=timeout)
+    resp.raise_for_status()
+    return json.loads(resp.content)
+
+
+def get_rollout_num_engines(args: Any) -> int:
+    """How many engines serve the rollout (the running fleet's, inside a rollout)."""
+    ctx = _context()
+    if ctx is not None:
+        return len(ctx.engine_urls())
+    if getattr(args, "rollout_num_engines", None) is not None:
+        return int(args.rollout_num_engines)
+    gpus = getattr(args, "rollout_num_gpus", 0) or 0
+    return max(1, gpus // (getattr(args, "rollout_num_gpus_per_engine", 1) or 1)) if gpus > 0 else 0
+
+
+def init_http_client(args: Any) -> None:
+    """A no-op: the rollout manager owns the HTTP clients (slime builds its global client here)."""

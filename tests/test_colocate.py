@@ -1,0 +1,322 @@
+"""``--colocate`` (issue 13, "One GPU, out of the box"): trainer ranks and engines share the GPUs.
+
+- start-up: what cannot work is refused with a message naming the flags (before any engine starts,
+  never after a push paused them), the weight transport ``auto`` is resolved from where the trainer
+  and the engines run, colocation's derived defaults (``--rollout-num-gpus``, local placement);
+- the memory handoff (``EngineMemory``: pause + ``/release_memory_occupation`` before training,
+  ``/resume_memory_occupation`` + continue after the push) against the embedded engine and against
+  SGLang's own app and scheduler-side code (``tests/sglang_oracle``), and a push cast to the dtype
+  SGLang serves in, received by SGLang's own weight updaters (the cast itself:
+  tests/test_weight_sync_cast.py);
+- colocated trainer ranks pinned to GPU i (their Ray options);
+- the launcher end to end, colocated on the CPU (weights through shared memory, the ``tensor``
+  transport) and, marked gpu, on one GPU.
+
+Loopback sockets: run via scripts/run_tests.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import arguments
+from _fixtures_buffer import ray_local  # noqa: F401  (fixture)
+from _fixtures_engine import engine_model, run, start_engine, stop_process  # noqa: F401
+from arguments import parse_args
+from sglang_protocol.client import EngineClient, EngineError
+from weight_sync.arguments import Placement, resolve_transport
+from weight_sync.engines import EngineMemory
+from weight_sync.interfaces import WeightSyncSettings
+from weight_sync.sender import WeightSender
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def base(toy_model_dir):
+    return ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data/train.jsonl")]
+
+
+@pytest.fixture()
+def gpus(monkeypatch):
+    """Pretend this machine shows ``n`` GPUs to the launcher (its start-up checks count them)."""
+    def set_(n: int) -> None:
+        monkeypatch.setattr(arguments, "_visible_gpus", lambda: n)
+    set_(0)
+    return set_
+
+
+# --- start-up --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_gpus,extra,msg", [
+    (0, ["--update-weight-transport", "tensor"], "--update-weight-transport tensor hands the engines CUDA IPC "
+                                                 "handles (shared-memory files on the CPU), which open only in "
+                                                 "processes on the trainer's GPU and host: it needs --colocate"),
+    (0, ["--colocate", "--engine-urls", "http://127.0.0.1:1"], "servers given by --engine-urls run elsewhere"),
+    (0, ["--colocate", "--max-weight-staleness", "2"], "--colocate needs sync mode"),
+    (1, ["--colocate", "--train-device", "cuda", "--rollout-engine-placement", "ray"],
+     "drop --rollout-engine-placement ray"),
+    (2, ["--colocate", "--train-device", "cuda", "--rollout-num-gpus", "2"],
+     "--colocate: --rollout-num-gpus 2 must equal the trainer's GPUs, --actor-num-nodes x "
+     "--actor-num-gpus-per-node = 1"),
+    (1, ["--colocate", "--train-device", "cuda:0"], "--colocate with --train-device cuda:0: colocation puts rank i "
+                                                    "on engine i's GPU itself; use --train-device cuda"),
+    (2, ["--colocate", "--train-device", "cuda", "--actor-num-nodes", "2"], "(--actor-num-nodes 1)"),
+    (0, ["--colocate", "--engine-extra-args", "--device cuda"], "--colocate: the trainer (--train-device cpu) and "
+                                                                "the engines (cuda"),
+    (1, ["--colocate", "--train-device", "cuda", "--update-weight-transport", "distributed",
+         "--update-weight-backend", "nccl"],
+     "--update-weight-backend nccl: trainer rank 0 and an engine share a GPU (--colocate), and NCCL cannot join "
+     "two ranks of one group on one GPU ('Duplicate GPU detected')"),
+    (1, ["--train-device", "cuda", "--engine-extra-args", "--device cuda", "--update-weight-backend", "nccl"],
+     "share a GPU (--train-device cuda and --engine-extra-args '--device cuda' on a machine with one GPU)"),
+    (2, ["--train-device", "cuda:1", "--rollout-num-gpus", "2", "--rollout-engine-placement", "local",
+         "--update-weight-backend", "nccl"],
+     "share a GPU (--train-device cuda:1 and --rollout-num-gpus 2 placed locally)"),
+    (2, ["--train-device", "cuda", "--update-weight-backend", "nccl"],
+     "--update-weight-backend nccl: the engines run on the CPU (--rollout-num-gpus 0"),
+    (0, ["--update-weight-backend", "nccl"], "--update-weight-backend nccl: the trainer runs on the CPU"),
+    (1, ["--train-device", "cuda", "--rollout-num-gpus", "1"],
+     "the engines (--rollout-num-gpus 1) need 2 GPUs, and this machine has 1: add --colocate"),
+])
+def test_what_cannot_work_is_refused_at_start_up(base, gpus, n_gpus, extra, msg, capsys):
+    gpus(n_gpus)
+    with pytest.raises(SystemExit) as e:
+        parse_args(base + extra)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n_gpus,extra,want", [
+    (0, [], ("distributed", "gloo")),  # the CPU quickstart
+    (0, ["--colocate"], ("tensor", "auto")),  # CPU: shared-memory files
+    (1, ["--colocate", "--train-device", "cuda"], ("tensor", "auto")),
+    (2, ["--train-device", "cuda", "--rollout-num-gpus", "1"], ("distributed", "nccl")),  # GPUs of their own
+    (1, ["--train-device", "cuda"], ("distributed", "gloo")),  # engines on the CPU
+    (1, ["--train-device", "cuda", "--engine-extra-args", "--device cuda:0"], ("distributed", "gloo")),  # one GPU
+    (1, ["--colocate", "--train-device", "cuda", "--update-weight-transport", "distributed"], ("distributed", "gloo")),
+    (1, ["--colocate", "--train-device", "cuda", "--update-weight-transport", "disk", "--update-weight-disk-dir",
+         "/tmp/w"], ("disk", "auto")),  # explicit values are kept
+    (2, ["--train-device", "cuda", "--engine-urls", "http://127.0.0.1:1"], ("distributed", "nccl")),
+    (0, ["--engine-urls", "http://127.0.0.1:1"], ("distributed", "gloo")),
+])
+def test_transport_auto_follows_where_things_run(base, gpus, n_gpus, extra, want):
+    gpus(n_gpus)
+    args = parse_args(base + extra)
+    assert (args.update_weight_transport, args.update_weight_backend) == want
+
+
+def test_colocation_derives_the_engines_gpus_and_placement(base, gpus):
+    gpus(2)
+    args = parse_args(base + ["--colocate", "--train-device", "cuda", "--actor-num-gpus-per-node", "2"])
+    assert (args.rollout_num_gpus, args.rollout_engine_placement) == (2, "local")
+    args = parse_args(base + ["--colocate"])  # CPU: the engines stay on the CPU
+    assert (args.rollout_num_gpus, args.rollout_engine_placement) == (0, "local")
+    args = parse_args(base + ["--colocate", "--train-device", "cuda", "--rollout-engine", "sglang",
+                              "--sglang-mem-fraction-static", "0.4"])
+    assert args.sglang_args == ["--mem-fraction-static", "0.4", "--enable-memory-saver"]  # else release frees nothing
+
+
+def test_resolve_transport_table():
+    cpu, gpu = Placement("cpu", "cpu"), Placement("cuda", "cuda")
+    assert resolve_transport("auto", "auto", cpu) == ("distributed", "gloo")
+    assert resolve_transport("auto", "auto", gpu) == ("distributed", "nccl")
+    assert resolve_transport("auto", "auto", Placement("cuda", None)) == ("distributed", "nccl")  # SGLang servers
+    assert resolve_transport("auto", "auto", Placement("cuda", "cuda", colocated=True)) == ("tensor", "auto")
+    shared = Placement("cuda", "cuda", shared_gpu="one GPU")
+    assert resolve_transport("auto", "auto", shared) == ("distributed", "gloo")
+    assert resolve_transport("disk", "nccl", cpu) == ("disk", "nccl")  # not a collective: the backend is unused
+    assert resolve_transport("distributed", "gloo", Placement("cuda", "cuda", colocated=True)) == ("distributed", "gloo")
+    with pytest.raises(ValueError, match="needs --colocate"):
+        resolve_transport("tensor", "auto", gpu)
+    with pytest.raises(ValueError, match="nccl: the engines run on the CPU"):
+        resolve_transport("distributed", "nccl", Placement("cuda", "cpu"))
+
+
+# --- the memory handoff ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(engine_model):  # noqa: F811
+    proc, url = start_engine(engine_model, random_seed=0)
+    try:
+        yield url
+    finally:
+        stop_process(proc)
+
+
+async def _generate(url: str, timeout: float) -> dict:
+    async with EngineClient(url, timeout=timeout) as c:
+        return await c.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "temperature": 0})
+
+
+def test_memory_handoff_with_the_embedded_engine(engine):
+    """release: the engine pauses (it generates nothing while the trainer trains); resume: it
+    generates again. The client's calls themselves answer SGLang's success."""
+    mem = EngineMemory([engine], WeightSyncSettings(timeout_s=30))
+    mem.release()
+
+    async def held_then_served() -> None:
+        req = asyncio.ensure_future(_generate(engine, 30))
+        await asyncio.sleep(1.0)
+        assert not req.done()  # paused: the request waits
+        await asyncio.get_running_loop().run_in_executor(None, mem.resume)
+        assert (await asyncio.wait_for(req, 30))["meta_info"]["completion_tokens"] == 3
+    run(held_then_served())
+    assert mem.resume() >= 0  # nothing released: a no-op
+
+    async def direct() -> None:
+        async with EngineClient(engine, timeout=30) as c:
+            assert (await c.release_memory_occupation(["kv_cache"]))["success"]
+            assert (await c.resume_memory_occupation(["kv_cache"]))["success"]
+            with pytest.raises(EngineError, match="unknown tag 'gpu'"):
+                await c.release_memory_occupation(["gpu"])
+    run(direct())
+    assert run(_generate(engine, 30))["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.fixture(scope="module")
+def oracle(toy_model_dir, tmp_path_factory):
+    """SGLang's app, request structs, weight updaters and scheduler-side memory code (TP=1: the
+    fan-out to TP ranks is the conformance tier's, tests/test_sglang_conformance.py)."""
+    from sglang_oracle import running_oracles
+
+    with running_oracles(toy_model_dir, tmp_path_factory.mktemp("oracle_memory"), {"tp1": (1, ())}) as urls:
+        yield urls["tp1"]
+
+
+def test_memory_handoff_with_sglangs_own_code(oracle):
+    """SGLang's route parses our bodies into its ReleaseMemoryOccupationReqInput /
+    ResumeMemoryOccupationReqInput and its scheduler-side code pauses and resumes the
+    kv_cache tag; the engine is paused first (SGLang releases only an idle engine) and continued
+    after; resuming a tag never released is SGLang's error, which the handoff never sends."""
+    from test_sglang_conformance import _get
+
+    def memory() -> list[dict]:
+        return _get(oracle, "/oracle/memory")["ranks"]
+
+    control0 = len(_get(oracle, "/oracle/requests")["control"])
+    mem = EngineMemory([oracle], WeightSyncSettings(timeout_s=30))
+    mem.release()
+    assert [r["offloaded"] for r in memory()] == [["kv_cache"]]
+    mem.resume()
+    assert [r["offloaded"] for r in memory()] == [[]]
+    assert [r["events"] for r in memory()] == [[["pause", "kv_cache"], ["resume", "kv_cache"]]]
+    control = _get(oracle, "/oracle/requests")["control"][control0:]
+    assert control == ["pause_generation", "release_memory_occupation", "resume_memory_occupation",
+                       "continue_generation"]
+
+    async def call(what: str, tags: list[str]):
+        async with EngineClient(oracle, timeout=30) as c:
+            return await getattr(c, what)(tags)
+    assert run(call("release_memory_occupation", ["kv_cache", "cuda_graph"])) is None  # SGLang answers null
+    assert [r["offloaded"] for r in memory()] == [["cuda_graph", "kv_cache"]]
+    assert run(call("resume_memory_occupation", ["kv_cache", "cuda_graph"])) is None
+    with pytest.raises(EngineError) as e:
+        run(call("resume_memory_occupation", ["kv_cache"]))  # never released
+    assert e.value.status == 400
+    assert [r["offloaded"] for r in memory()] == [[]]
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_sglang_receives_tensors_cast_at_the_push(oracle, transport):
+    """With the launcher's ``engine_dtype`` (SGLang lists no dtypes), SGLang's own receive path
+    (flattened bucket metadata, ``load_weights``) gets every floating tensor in that dtype with the
+    bytes of the trainer's cast; the non-floating one as it was."""
+    from test_sglang_conformance import _assert_received, _get
+
+    g = torch.Generator().manual_seed(5 if transport == "tensor" else 6)
+    named = [(f"model.layers.{i}.w", torch.randn(6, 5, generator=g)) for i in range(3)]
+    named.append(("model.step", torch.arange(4, dtype=torch.int64)))
+    s = WeightSyncSettings(transport=transport, backend="gloo", bucket_bytes=128, timeout_s=60,
+                           engine_dtype="bfloat16")
+    with WeightSender(s) as sender:
+        sender.connect([oracle])
+        m = sender.push(named, version=3)
+    assert m["weight_sync/cast_tensors"] == 3
+    [rank] = _get(oracle, "/oracle/received")["ranks"]
+    _assert_received(rank, [(n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in named])
+
+
+# --- placement ---------------------------------------------------------------------------------------
+def test_colocated_ranks_are_pinned_to_their_gpu(ray_local):  # noqa: F811
+    """Rank i of a colocated group sees GPU i only (as engine i does), on the launcher's node, and
+    reserves nothing in Ray (a whole-GPU reservation would make Ray refuse the engines, or them it)."""
+    from train_backend.actor_group import _colocated_options
+
+    class Probe:
+        def env(self) -> tuple[str | None, str]:
+            import ray
+
+            return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_runtime_context().get_node_id()
+
+    opts = _colocated_options(2, cuda=True)
+    assert all(o["num_cpus"] == 0 and "num_gpus" not in o for o in opts)
+    probes = [ray_local.remote(Probe).options(**o).remote() for o in opts]
+    got = ray_local.get([p.env.remote() for p in probes], timeout=120)
+    here = ray_local.get_runtime_context().get_node_id()
+    assert got == [("0", here), ("1", here)]
+    assert "runtime_env" not in _colocated_options(1, cuda=False)[0]  # CPU ranks: nothing to pin
+
+
+# --- the launcher, end to end ------------------------------------------------------------------------
+def _train(model: Path, out: Path, config: str, *extra: str, timeout: float = 400) -> tuple[list[dict], str]:
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / config),
+           "--hf-checkpoint", str(model), "--prompt-data", str(model / "data/train.jsonl"),
+           "--eval-prompt-data", str(model / "data/eval.jsonl"), "--output-dir", str(out), "--no-build-toy-model",
+           "--no-plots", "--buffer-name", f"buf-{out.name}", *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(line) for line in open(out / "metrics.jsonl")], proc.stdout
+
+
+def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
+    """--colocate on the CPU: the tensor transport (shared-memory files), the engines paused and
+    released before each training step and resumed after each push, every push checked tensor by
+    tensor against the trainer's, rollouts of step k on version k."""
+    records, stdout = _train(toy_model_dir, tmp_path / "colocate", "examples/toy/grpo_cpu.yaml", "--colocate",
+                             "--num-rollout", "3",
+                             "--rollout-num-engines", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                             "--eval-interval", "3", "--skip-eval-before-train", "--check-weight-update-equal")
+    assert "weight sync: tensor" in stdout
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/version"] == r["step"] + 1 for r in steps)
+    assert all(r["perf/release_memory_time"] > 0 and r["perf/resume_memory_time"] > 0 for r in steps)
+    assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
+    assert not any(k.startswith("memory/") for r in steps for k in r)  # GPU memory: on GPUs only
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [3]
+
+
+@pytest.mark.gpu
+def test_colocated_launcher_run_on_one_gpu(tmp_path):
+    """Issue 13 on one GPU: the toy model's trainer (fp32) and its engine (bf16) share GPU 0; pushes
+    go as CUDA IPC handles cast to bf16, land exactly (checked per tensor), and each phase's memory
+    is reported."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import make_toy_model
+
+    model = make_toy_model.main(["--out", str(tmp_path / "model"), "--warmup-steps", "20"])
+    config = tmp_path / "colocate_1gpu.yaml"  # the example's, without TensorBoard (not needed here)
+    config.write_text((ROOT / "examples/gpu/grpo_colocate_1gpu.yaml").read_text()
+                      .replace("use-tensorboard: true", "use-tensorboard: false"))
+    t0 = time.monotonic()
+    records, stdout = _train(model, tmp_path / "gpu", str(config), "--num-rollout", "4", "--eval-interval", "4",
+                             "--check-weight-update-equal")
+    print(stdout[-2000:], f"wall {time.monotonic() - t0:.1f}s")
+    assert "weight sync: tensor" in stdout
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/cast_tensors"] > 0 for r in steps)
+    for phase in ("rollout", "train", "weight_sync"):
+        assert all(r[f"memory/{phase}_peak_gib"] > 0 for r in steps), phase
+    for r in steps:
+        print({k: round(v, 4) for k, v in r.items() if k.startswith(("memory/", "perf/", "weight_sync/time"))})

@@ -1,0 +1,171 @@
+"""The import graph of our packages, read with ``ast`` (nothing is imported): no circles, and each
+package imports only the layers below it, except the upward edges listed (and justified) here and in
+docs/architecture.md ("Layers and import rules").
+
+An import inside ``if TYPE_CHECKING:`` is not an edge (it never runs); an import inside a function
+is one (it runs when the function does, and a circle through it still breaks a partial import).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Each package's layer: a package may import its own modules and those of a strictly lower layer.
+LAYERS = {
+    "sglang_protocol": 0,  # SGLang's protocol, ports, JSON: imports nothing of ours
+    "plugins": 0,  # the plugin loader and the built-in plugins (rewards, filters)
+    "buffer": 1,  # samples, the buffer actor; calls its filter plugin through plugins.loader
+    "weight_sync": 2,
+    "rollout_manager": 2,
+    "train_backend": 3,  # its trainer group owns the WeightSender (weight_sync)
+    "slime_compat": 4,  # slime's import paths, answered with everything below
+}
+
+#: Upward edges ``(importing module, imported module) -> why``; each must still exist.
+ALLOWED_UPWARD = {
+    ("plugins.loader", "slime_compat"):
+        "installs the 'slime' import alias before a plugin is imported (slime_compat/__init__ is stdlib only)",
+    ("plugins.multiturn_example", "buffer.sample"): "an example plugin: user code, loaded by path, imported by none",
+    ("plugins.multiturn_example", "rollout_manager.generate"): "the same example plugin",
+    ("rollout_manager.manager", "slime_compat._args"): "plugins see slime's argument names",
+    ("train_backend.arguments", "slime_compat._args"): "the same view of the arguments, for the train hooks",
+    ("train_backend.hooks", "slime_compat._args"): "the same view of the arguments, for the train hooks",
+}
+
+#: Circles that exist and must go (each listed so that a new one fails, and a fixed one is removed
+#: from here). None left.
+KNOWN_CIRCLES: list[set[str]] = []
+
+
+def module_files(root: Path, packages) -> dict[str, Path]:
+    """``dotted name -> file`` of every module under ``packages`` (a package is its ``__init__``)."""
+    out = {}
+    for pkg in packages:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
+    return out
+
+
+def _resolve(name: str, modules) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """``module -> modules of ours it imports`` (TYPE_CHECKING blocks skipped)."""
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out: set[str] = set()
+        todo = list(ast.parse(path.read_text(), str(path)).body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo.extend(node.orelse)
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" for a in node.names]  # a submodule, else the module itself
+            for t in targets:
+                hit = _resolve(t, modules)
+                if hit is not None and hit != name:
+                    out.add(hit)
+            todo.extend(ast.iter_child_nodes(node))
+        edges[name] = out
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in edges:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(comp)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return import_edges(module_files(ROOT, LAYERS))
+
+
+def test_no_import_circles_but_the_known_ones():
+    found = circles(_graph())
+    new = [sorted(c) for c in found if c not in KNOWN_CIRCLES]
+    assert not new, f"import circles (break them; see docs/architecture.md): {new}"
+    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in found]
+    assert not gone, f"no longer circles, remove them from KNOWN_CIRCLES: {gone}"
+
+
+def test_packages_import_only_lower_layers_or_the_listed_upward_edges():
+    bad, used = [], set()
+    for src, targets in _graph().items():
+        for dst in targets:
+            a, b = src.split(".")[0], dst.split(".")[0]
+            if a == b or LAYERS[b] < LAYERS[a]:
+                continue
+            if (src, dst) in ALLOWED_UPWARD:
+                used.add((src, dst))
+            else:
+                bad.append(f"{src} -> {dst}")
+    assert not bad, f"imports of a layer not below (docs/architecture.md, 'Layers and import rules'): {bad}"
+    stale = sorted(set(ALLOWED_UPWARD) - used)
+    assert not stale, f"ALLOWED_UPWARD entries no longer in the code (remove them): {stale}"
+
+
+def test_the_walker_finds_a_circle_through_a_function_import_and_skips_type_checking(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n")
+    (pkg / "d.py").write_text("import pkg.c\n")
+    edges = import_edges(module_files(tmp_path, ["pkg"]))
+    assert edges["pkg.b"] == {"pkg.a"} and edges["pkg.c"] == set() and edges["pkg.d"] == {"pkg.c"}
+    assert circles(edges) == [{"pkg.a", "pkg.b"}]

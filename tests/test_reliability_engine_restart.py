@@ -1,0 +1,102 @@
+"""A restarted engine is brought to the current weights before it takes work (issue 16, item 3).
+
+Real components: two embedded engines started by the fleet, the real sglang-router, a real
+WeightSender (gloo) pushing versions, and a real SIGKILL of one engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from _fixtures_rollout import make_args
+from rollout_manager.engines import EngineFleet
+from rollout_manager.router import Router
+from sglang_protocol.client import EngineClient
+
+pytest.importorskip("sglang_router")
+
+
+async def _wait_event(fleet: EngineFleet, event: str, timeout: float = 120.0) -> None:
+    async def poll() -> None:
+        while event not in fleet.events:
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def _versions_via_router(router: Router, n: int) -> set[str]:
+    async with EngineClient(router.url, timeout=60) as c:
+        outs = await asyncio.gather(*(c.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
+                                      for _ in range(n)))
+    return {o["meta_info"]["weight_version"] for o in outs}
+
+
+def test_restarted_engine_stays_out_of_the_router_until_a_push_brings_it_to_the_current_version(
+        toy_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    _, settings = make_args(["--hf-checkpoint", str(toy_model_dir), "--rollout-num-engines", "2",
+                             "--health-check-interval", "0.2", "--engine-extra-args", "--max-running-requests 8"])
+
+    async def go() -> None:
+        router = Router.start(policy="round_robin", health_check_interval=1.0, log_path=tmp_path / "router.log")
+        fleet = EngineFleet(settings, router, tmp_path)
+        sender = WeightSender(WeightSyncSettings(transport="distributed", backend="gloo", timeout_s=20))
+        loop = asyncio.get_running_loop()
+        try:
+            await fleet.start()
+            await loop.run_in_executor(None, sender.connect, fleet.urls)
+            await loop.run_in_executor(None, sender.push, model.named_parameters(), 1)
+            assert await _versions_via_router(router, 4) == {"1"}
+
+            fleet.kill(0)  # SIGKILL: it restarts from the checkpoint, i.e. version "default"
+            await _wait_event(fleet, "engine 0 awaiting weights v1")
+            assert fleet.engines[0].version == 0 and not fleet.engines[0].registered
+            assert [w["url"] for w in await router.list_workers()] == [fleet.engines[1].url]
+            assert await _versions_via_router(router, 6) == {"1"}  # no request reaches the stale engine
+            rounds = fleet.rounds
+            while fleet.rounds < rounds + 3:  # and it stays out while nothing is pushed
+                await asyncio.sleep(0.05)
+            assert not fleet.engines[0].registered
+
+            out = await loop.run_in_executor(None, sender.push, model.named_parameters(), 2)
+            assert out["weight_sync/engines"] == 2  # the push reached the restarted engine too
+            await _wait_event(fleet, "engine 0 restarted")
+            assert sorted(w["url"] for w in await router.list_workers()) == sorted(fleet.urls)
+            assert await _versions_via_router(router, 6) == {"2"}
+            assert fleet.engines[0].restarts == 1
+        finally:
+            await loop.run_in_executor(None, sender.close)
+            await fleet.stop()
+            router.stop()
+    asyncio.run(go())
+
+
+def test_a_dead_router_is_started_again_and_gets_its_engines_back(toy_model_dir, tmp_path):
+    """SIGKILL the router mid-run: the monitor starts it again on its address and registers the
+    engines again; requests through the same URL are served (issue 16: a crash of any one process)."""
+    _, settings = make_args(["--hf-checkpoint", str(toy_model_dir), "--rollout-num-engines", "1",
+                             "--health-check-interval", "0.2"])
+
+    async def go() -> None:
+        router = Router.start(policy="round_robin", health_check_interval=1.0, log_path=tmp_path / "router.log")
+        fleet = EngineFleet(settings, router, tmp_path)
+        try:
+            await fleet.start()
+            assert await _versions_via_router(router, 2) == {"default"}
+            old_pid = router.process.pid
+            router.process.kill()
+            await _wait_event(fleet, "router restarted")
+            await _wait_event(fleet, "engine 0 re-registered")
+            assert router.process.pid != old_pid and fleet.router_restarts == 1
+            assert [w["url"] for w in await router.list_workers()] == fleet.urls
+            assert await _versions_via_router(router, 2) == {"default"}
+        finally:
+            await fleet.stop()
+            router.stop()
+    asyncio.run(go())

@@ -1,0 +1,159 @@
+"""slime's trainer-side hooks and flags through the launcher users run (``scripts/train.py
+--debug-train-only`` on a dumped rollout batch: real Ray trainer ranks, no engines), with plugins
+written in slime's style (tests/slime_fixtures/train_hooks.py) that record each call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _fixtures_train import make_groups
+from buffer.arrow import write_parquet
+from train_backend.losses import kl_penalty
+
+ROOT = Path(__file__).resolve().parents[1]
+H = "slime_fixtures.train_hooks."
+
+
+def _run(toy_model_dir: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    dump = tmp_path / "rollout_{rollout_id}.parquet"
+    groups = make_groups(toy_model_dir, num_groups=2, group_size=4)
+    for step in (0, 1):
+        write_parquet(groups, str(dump).format(rollout_id=step))
+    log = tmp_path / "hooks.jsonl"
+    cfg = tmp_path / "custom.yaml"
+    cfg.write_text(f"hook_log: {log}\nhook_tag: from-yaml\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(ROOT / "examples/toy/grpo_cpu.yaml"),
+           "--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data/train.jsonl"),
+           "--no-build-toy-model", "--no-plots", "--output-dir", str(out), "--buffer-name", f"buf-{tmp_path.name}",
+           "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(dump),
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "4",
+           "--custom-config-path", str(cfg), "--custom-megatron-init-path", H + "custom_init",
+           "--custom-megatron-before-log-prob-hook-path", H + "before_log_prob",
+           "--custom-megatron-before-train-step-hook-path", H + "before_train_step", *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    events = [json.loads(line) for line in open(log)] if log.exists() else []
+    return proc, events
+
+
+def _train_records(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in r]
+
+
+def test_torch_backend_runs_slime_loss_advantage_and_megatron_hooks(toy_model_dir, tmp_path):
+    # slime's flags from its run scripts, with their slime meaning
+    proc, events = _run(toy_model_dir, tmp_path, "--loss-type", "custom_loss",
+                        "--custom-loss-function-path", H + "policy_loss",
+                        "--custom-advantage-function-path", H + "advantages",
+                        "--optimizer", "adam", "--max-tokens-per-gpu", "64", "--use-dynamic-batch-size",
+                        "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
+                        "--kl-coef", "0.00", "--ref-load", str(toy_model_dir), "--attention-dropout", "0.0",
+                        "--hidden-dropout", "0.0", "--context-parallel-size", "1", "--attention-softmax-in-fp32",
+                        "--accumulate-allreduce-grads-in-fp32", "--recompute-granularity", "full",
+                        "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    hooks = [e["hook"] for e in events]
+    # init once per rank (one rank), with the custom config's attribute and slime's flag value
+    assert [e for e in events if e["hook"] == "init"] == [{"hook": "init", "tag": "from-yaml",
+                                                         "kl_loss_type": "low_var_kl"}]
+    # per rollout: the advantage hook (after the policy's and the reference's log-probs), then the
+    # policy's and reference's log-prob hooks of training, then two optimizer steps (8 samples / 4)
+    adv = [e for e in events if e["hook"] == "advantage"]
+    assert len(adv) == 2 and all(e["n"] == 8 and e["has_ref"] and e["lengths_ok"] for e in adv)
+    steps = [(e["rollout_id"], e["step_id"]) for e in events if e["hook"] == "before_train_step"]
+    assert steps == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    prefixes = [e["prefix"] for e in events if e["hook"] == "before_log_prob"]
+    assert prefixes == ["", "ref_", "", "ref_"] * 2
+    assert hooks.count("loss") >= 4  # every micro-batch of every optimizer step went through it
+    records = _train_records(tmp_path / "out")
+    assert len(records) == 2 and all("train/custom_clipfrac" in r and "train/kl" in r for r in records)
+    assert all(r["train/optimizer_steps"] == 2.0 for r in records)
+
+
+def test_megatron_backend_calls_tis_reducer_and_megatron_hooks(toy_model_dir, tmp_path):
+    # the launcher hands these flags to the Megatron backend's settings (the wiring the torch run above exercises)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from arguments import parse_args
+    from train_backend.arguments import settings_from_args
+
+    from slime_fixtures.megatron_rank import HOOKS, run
+
+    args = parse_args(["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir),
+                       "--train-backend", "megatron", "--use-tis", "--attention-backend", "auto",
+                       "--expert-model-parallel-size", "1",
+                       *[a for flag, path in HOOKS.items() for a in ("--" + flag.replace("_", "-"), path)]])
+    settings = settings_from_args(args)
+    assert {flag: getattr(settings, flag) for flag in HOOKS} == HOOKS
+    # the backend itself, in one spawned gloo rank: slime's call sites get the Megatron objects
+    pytest.importorskip("megatron.core")
+    from _fixtures_megatron import spawn, train_settings
+
+    log = tmp_path / "hooks.jsonl"
+    got = spawn(run, 1, (str(toy_model_dir), {"hook_log": str(log), "hook_tag": "direct"}), tmp_path / "rank")[0]
+    events = [json.loads(line) for line in open(log)]
+    assert [e for e in events if e["hook"] == "init"] == [{"hook": "init", "tag": "direct", "kl_loss_type": "k3"}]
+    steps = [e for e in events if e["hook"] == "before_train_step"]
+    assert [(e["rollout_id"], e["step_id"]) for e in steps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {e["model"] for e in steps} == {"DistributedDataParallel"}
+    # per rollout: the policy's log-probs, then the reference's (run_megatron's settings use the KL loss)
+    assert [e["prefix"] for e in events if e["hook"] == "before_log_prob"] == ["", "ref_"] * 2
+    tis = [e for e in events if e["hook"] == "tis"]
+    assert tis and all(e["total_lengths"] for e in tis)
+    # the reducer reduced every micro-batch's pg loss: each rollout's 8 samples once, told the --loss-agg convention
+    per_token = train_settings(str(toy_model_dir)).loss_agg == "token_mean"
+    assert sum(n for n, _ in got["reduced"]) == 2 * 8 and {t for _, t in got["reduced"]} == {per_token}
+    # (the Megatron backend reports its fixed metric set: a TIS plugin's own metrics are not logged yet)
+    assert [m["train/optimizer_steps"] for m in got["metrics"]] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--kl-coef", "0.1"], "--kl-coef 0.1: in slime this is the KL penalty folded into the rewards"),
+    (["--custom-loss-function-path", H + "policy_loss"], "only called with --loss-type custom_loss"),
+    (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path"),
+    (["--custom-model-provider-path", H + "custom_init"], "the torch backend trains the HF model"),
+    (["--context-parallel-size", "2"], "--context-parallel-size=2: only 1 is supported"),
+    (["--hidden-dropout", "0.1"], "RL trains without dropout"),
+    (["--ref-load", "/nonexistent/torch_dist"], "--ref-load /nonexistent/torch_dist: not an HF checkpoint"),
+    (["--recompute-granularity", "selective"], "the torch backend recomputes whole layers"),
+    (["--custom-tis-function-path", H + "tis"], "only called with --use-tis"),
+])
+def test_flags_that_cannot_apply_are_refused_at_start_up(toy_model_dir, tmp_path, extra, msg, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from arguments import parse_args
+
+    argv = ["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir), *extra]
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert msg in capsys.readouterr().err
+
+
+def test_custom_config_key_naming_a_flag_is_refused(toy_model_dir, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from arguments import parse_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 0.5\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir),
+                    "--custom-config-path", str(cfg)])
+    assert "key 'lr' is the flag --lr" in capsys.readouterr().err
+
+
+def test_low_var_kl_is_slimes_clamped_k3():
+    # slime's compute_approx_kl, written out: k3 = exp(-(lp - lb)) - 1 + (lp - lb), clamped to
+    # [-10, 10] only for low_var_kl
+    lp = torch.tensor([0.0, -1.0, -30.0, 5.0], dtype=torch.float64)
+    lb = torch.tensor([0.0, -0.5, -1.0, -20.0], dtype=torch.float64)
+    r = -(lp - lb)
+    k3 = r.exp() - 1 - r
+    assert torch.equal(kl_penalty(lp, lb, "k3"), k3)
+    assert torch.equal(kl_penalty(lp, lb, "low_var_kl"), k3.clamp(-10, 10))
+    assert kl_penalty(lp, lb, "low_var_kl")[3] == 10.0 and kl_penalty(lp, lb, "k3")[3] > 10
