@@ -175,9 +175,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-eval-rollout-log-function-path", default=P.custom_eval_rollout_log_function_path,
                    help="fn(rollout_id, args, data, extra_metrics) -> bool after each evaluation; True: skip "
                         "Reservoir's eval metrics")
-    g.add_argument("--custom-reward-post-process-path", default=P.custom_reward_post_process_path,
-                   help="not supported yet (rejected at start-up): Reservoir's trainer computes advantages from "
-                        "Sample.reward itself")
 
 
 def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -310,11 +307,6 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
         check_rm_type(args.rm_type, args.reward_key)
     if args.rm_type in REMOTE_RMS and not args.rm_url and not args.custom_rm_path:
         raise ValueError(f"--rm-type {args.rm_type} needs --rm-url (the reward model's address)")
-    if args.custom_reward_post_process_path:
-        raise ValueError("--custom-reward-post-process-path is not supported yet: in slime it replaces the group "
-                         "normalisation of the rewards before training, and Reservoir's trainer computes advantages "
-                         "from Sample.reward itself (--advantage-estimator); fold the post-processing into your "
-                         "reward function (--custom-rm-path, --group-rm for whole groups) instead")
     if args.rollout_max_context_len is not None:
         if args.rollout_max_context_len < 2:
             raise ValueError(f"--rollout-max-context-len must be >= 2, got {args.rollout_max_context_len}")

@@ -118,7 +118,6 @@ class PluginSettings:
     rollout_all_samples_process_path: str | None = None  # fn(args, all_finished_groups, get_samples)
     custom_rollout_log_function_path: str | None = None  # fn(rollout_id, args, samples, metrics, seconds) -> bool
     custom_eval_rollout_log_function_path: str | None = None  # fn(rollout_id, args, data, metrics) -> bool
-    custom_reward_post_process_path: str | None = None  # not supported yet: rejected at start-up
     rollout_sample_hook_path: list[str] = field(default_factory=list)  # hook(args, sample, ...) after generate
     # Bounds on one plugin call (seconds); a call past its bound fails its sample or group, counted
     reward_timeout: float = 120.0  # one reward call (a sample's, or a group's with --group-rm)

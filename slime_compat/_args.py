@@ -33,7 +33,6 @@ _OFF: dict[str, Any] = {
     "tool_key": "tools",
     "rollout_sample_hook_path": [],
     "buffer_filter_path": None,
-    "custom_convert_samples_to_train_data_path": None,
     "dump_details": None,
     "log_passrate": False,
     "log_reward_category": None,

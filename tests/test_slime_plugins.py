@@ -10,8 +10,8 @@ against instant engines behind the real router. One test per contract:
 - a dict reward works with ``--reward-key``; a failing plugin is reported and counted and the run goes
   on; a run in which every sample failed exits non-zero and writes no failed group as kept;
 - the hooks ``--data-source-path``, ``--eval-function-path``, ``--rollout-sample-filter-path``,
-  ``--rollout-all-samples-process-path``, the log functions; ``--custom-reward-post-process-path``
-  is refused at start-up.
+  ``--rollout-all-samples-process-path``, the log functions (the trainer-side hooks:
+  tests/test_slime_train_hooks.py).
 """
 
 from __future__ import annotations
@@ -301,8 +301,6 @@ def test_slime_reward_rules():
     assert asyncio.run(async_rm(args, sample)) == 1.0 and sample.response == "so \\boxed{yes}"
 
 
-def test_unsupported_hook_and_remote_rm_without_url_are_refused_at_start_up(toy_model_dir):
-    with pytest.raises(ValueError, match="--custom-reward-post-process-path is not supported yet"):
-        make_args(_argv(toy_model_dir, "--custom-reward-post-process-path", "x.y"))
+def test_remote_rm_without_url_is_refused_at_start_up(toy_model_dir):
     with pytest.raises(ValueError, match="--rm-type remote_rm needs --rm-url"):
         make_args(_argv(toy_model_dir, "--rm-type", "remote_rm"))

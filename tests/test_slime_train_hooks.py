@@ -124,6 +124,8 @@ def test_megatron_backend_calls_tis_reducer_and_megatron_hooks(toy_model_dir, tm
     (["--ref-load", "/nonexistent/torch_dist"], "--ref-load /nonexistent/torch_dist: not an HF checkpoint"),
     (["--recompute-granularity", "selective"], "the torch backend recomputes whole layers"),
     (["--custom-tis-function-path", H + "tis"], "only called with --use-tis"),
+    (["--custom-convert-samples-to-train-data-path", H + "train_data_first_token_masked",
+      "--custom-reward-post-process-path", H + "grpo_rewards"], "--custom-convert-samples-to-train-data-path replaces"),
 ])
 def test_flags_that_cannot_apply_are_refused_at_start_up(toy_model_dir, tmp_path, extra, msg, capsys):
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -157,3 +159,86 @@ def test_low_var_kl_is_slimes_clamped_k3():
     assert torch.equal(kl_penalty(lp, lb, "k3"), k3)
     assert torch.equal(kl_penalty(lp, lb, "low_var_kl"), k3.clamp(-10, 10))
     assert kl_penalty(lp, lb, "low_var_kl")[3] == 10.0 and kl_penalty(lp, lb, "k3")[3] > 10
+
+
+# --- the hooks that shape the rollout batch, against Reservoir's built-in path -------------------
+# One SGD step without gradient clipping: the weight change is linear in the advantages, so a hook
+# that doubles them must double it, and one that reproduces the built-in path must equal it.
+
+def _sgd_delta(toy_model_dir, groups, **kw) -> dict:
+    from _fixtures_train import settings, weights
+    from train_backend.interfaces import create_backend
+
+    backend = create_backend(settings(toy_model_dir, optimizer="sgd", lr=0.5, clip_grad=0.0, seed=1, **kw))
+    before = weights(backend)
+    metrics = backend.train_step(groups, 3)
+    return {"delta": {k: v - before[k] for k, v in weights(backend).items()}, "metrics": metrics}
+
+
+def _assert_deltas(got: dict, want: dict, scale: float = 1.0) -> None:
+    for name, d in want.items():
+        torch.testing.assert_close(got[name], scale * d, rtol=1e-5, atol=1e-6, msg=name)  # w - w0 of fp32 weights ~1
+    assert any(float(d.abs().max()) > 1e-4 for d in want.values())  # the step moved the weights
+
+
+def test_reward_post_process_convert_and_postprocess_hooks_train_what_they_return(toy_model_dir):
+    import slime_compat
+    from _fixtures_train import make_groups
+
+    slime_compat.install()  # the fixtures import slime.*, as slime's plugins do
+    from slime_fixtures import train_hooks
+
+    groups = make_groups(toy_model_dir, num_groups=2, group_size=4)
+    base = _sgd_delta(toy_model_dir, groups)
+    # slime's grpo normalisation as a --custom-reward-post-process-path equals the built-in estimator
+    _assert_deltas(_sgd_delta(toy_model_dir, groups, custom_reward_post_process_path=H + "grpo_rewards")["delta"],
+                   base["delta"])
+    # a converter that takes each first response token out of the loss trains as if the samples came so
+    masked = [[s.copy(loss_mask=[0] + s.loss_mask[1:]) for s in g] for g in groups]
+    want = _sgd_delta(toy_model_dir, masked)
+    conv = _sgd_delta(toy_model_dir, groups,
+                      custom_convert_samples_to_train_data_path=H + "train_data_first_token_masked")
+    _assert_deltas(conv["delta"], want["delta"])
+    assert all(g[0].loss_mask[0] == 1 for g in groups)  # the caller's samples were not changed
+    # the post-process sees the advantages and masks after the estimator, and what it returns is trained on
+    train_hooks.POSTPROCESSED.clear()
+    post = _sgd_delta(toy_model_dir, groups, rollout_data_postprocess_path=H + "double_advantages_mask_first_token")
+    _assert_deltas(post["delta"], want["delta"], scale=2.0)
+    assert train_hooks.POSTPROCESSED == [3]
+
+
+def test_custom_advantage_loss_and_model_provider_on_megatron_with_tensor_parallelism(toy_model_dir, tmp_path):
+    # slime's grpo advantage and a clipped PPO loss written with slime's helpers, on 2 tensor-parallel
+    # ranks: the plugin gets the full vocabulary's logits, and training equals the built-in loss; a
+    # model provider building the same GPT model trains the same
+    pytest.importorskip("megatron.core")
+    from _fixtures_megatron import run_layouts, spawn
+
+    plain = dict(backend="megatron", use_kl_loss=False, kl_coef=0.0, entropy_coef=0.0, use_tis=False,
+                 global_batch_size=None,
+                 optimizer="sgd", lr=0.5, clip_grad=0.0)  # SGD: Adam's first step would amplify rounding
+    hooks = dict(plain, loss_type="custom_loss", custom_loss_function_path=H + "ppo_loss",
+                 custom_advantage_function_path=H + "grpo_advantages")
+    provider = dict(plain, custom_model_provider_path=H + "gpt_provider")
+    jobs = [dict(megatron_kw={"tensor_model_parallel_size": 2}, steps=2, settings_kw=kw)
+            for kw in (plain, hooks, provider)]
+    (builtin, custom, provided), calls = spawn(_megatron_jobs, 2, (str(toy_model_dir), jobs), tmp_path / "ranks")[0]
+    assert calls == [(True, True, None)]  # one stage: first and last, no virtual stage
+    for name, w in builtin["weights"].items():
+        torch.testing.assert_close(custom["weights"][name], w, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(provided["weights"][name], w, rtol=1e-4, atol=1e-6, msg=name)
+    for a, b in zip(builtin["metrics"], custom["metrics"]):
+        assert a["train/pg_loss"] == pytest.approx(b["train/pg_loss"], rel=1e-4, abs=1e-6)
+        assert "train/custom_clipfrac" in b and "train/pg_clipfrac" not in b  # the plugin's own metrics
+
+
+def _megatron_jobs(ckpt: str, jobs: list) -> tuple[list, list]:
+    import slime_compat
+
+    slime_compat.install()
+    os.environ["RESERVOIR_TEST_HF"] = ckpt  # read by the model provider
+    from _fixtures_megatron import run_layouts
+
+    from slime_fixtures import train_hooks
+
+    return run_layouts(ckpt, jobs), list(train_hooks.PROVIDED)

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
 from train_backend.losses import LossDenominators, compute_advantages, masked_whiten
+
+if TYPE_CHECKING:
+    from train_backend.hooks import LogProbsFn, TrainHooks
 
 SKIP_REASONS = ("status", "empty_response", "zero_loss_mask", "too_long")
 
@@ -38,13 +41,15 @@ class RolloutBatch:
 
 
 def prepare_batch(groups: list[list[Sample]], estimator: str, reward_key: str | None,
-                  max_seq_len: int | None) -> RolloutBatch:
+                  max_seq_len: int | None, hooks: "TrainHooks | None" = None) -> RolloutBatch:
     """Validate ``groups``, compute advantages per group, keep what can be trained.
 
     Samples whose status is not completed/truncated are left out of the group baselines.
     Samples with an empty response, an all-zero loss mask, or more than ``max_seq_len`` tokens
     still count in their group's baseline (their reward is real) but are not trained on; each
-    reason is counted in ``skipped``. Malformed samples raise ``ValueError``.
+    reason is counted in ``skipped``. Malformed samples raise ``ValueError``. ``hooks``: slime's
+    ``--custom-reward-post-process-path`` / ``--custom-convert-samples-to-train-data-path`` replace
+    the estimator's values (and the converter the samples' training fields).
     """
     if not isinstance(groups, list) or not groups:
         raise ValueError("train_step: expected a non-empty list of groups")
@@ -64,6 +69,14 @@ def prepare_batch(groups: list[list[Sample]], estimator: str, reward_key: str | 
             else:
                 skipped["status"] += 1
     adv = compute_advantages(rewards, estimator)  # [G, n]
+    where = [(gi, si) for gi, g in enumerate(groups) for si, s in enumerate(g) if s.status in TRAINABLE]
+    custom = hooks.train_values([groups[gi][si] for gi, si in where]) if hooks is not None and where else None
+    if custom is not None:
+        groups = [list(g) for g in groups]  # the caller's groups stay as they were
+        for (gi, si), s, value in zip(where, *custom):
+            check_sample(s, f"group {gi}, sample {si} (as the train-data plugin returned it)")
+            groups[gi][si] = s
+            adv[gi, si] = value
     samples, advantages = [], []
     for gi, group in enumerate(groups):
         for si, s in enumerate(group):
@@ -112,9 +125,12 @@ class TrainStepStart:
     denominators: list[LossDenominators]
 
 
-def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int) -> TrainStepStart:
-    """The head of ``train_step`` shared by both backends (``settings`` is a ``TrainSettings``)."""
-    batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len)
+def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int | None,
+                     hooks: "TrainHooks | None" = None, log_probs: "LogProbsFn | None" = None) -> TrainStepStart:
+    """The head of ``train_step`` shared by both backends (``settings`` is a ``TrainSettings``).
+    With ``hooks`` that read the rollout data (:attr:`TrainHooks.needs_rollout_data`), ``log_probs``
+    gives them the policy's and the reference's log-probs (collective)."""
+    batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len, hooks)
     metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
                                  "train/num_samples": float(len(batch.samples))}
     metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
@@ -124,6 +140,10 @@ def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_s
     adv = batch.advantages
     if settings.normalize_advantages:
         adv = whiten_advantages(batch.samples, adv)
+    if hooks is not None and hooks.needs_rollout_data:  # before the denominators: it may change loss masks
+        assert log_probs is not None, "the backend must pass log_probs with these hooks"
+        adv = hooks.rollout_data_step(batch.samples, batch.advantages, adv, step, log_probs,
+                                      settings.normalize_advantages)
     norm_length = float(settings.loss_agg_norm_length or max(x.response_length for x in batch.samples))
     steps = split_steps(len(batch.samples), batch.num_input_samples, settings.global_batch_size)
     denominators = [LossDenominators(float(sum(sum(batch.samples[i].loss_mask) for i in r)), float(len(r)),

@@ -36,6 +36,22 @@ slime's names (:func:`plugin_args`). The call sites, in both backends unless not
   optimizer, opt_param_scheduler)`` before each optimizer step; the scheduler is None on the
   Megatron backend (the learning rate is set per step from ``--lr-*``), torch's ``LambdaLR`` on
   the torch backend.
+- ``--custom-reward-post-process-path`` ``fn(args, samples) -> (raw_rewards, rewards)``: once per
+  rollout batch on each rank, with the batch's trainable samples (slime's ``Sample``, flat, in group
+  order), instead of the estimator's per-group normalisation: each sample's ``rewards`` entry is
+  its advantage on every token (what slime's grpo / gspo / reinforce++ estimators make of it),
+  whitened afterwards with ``--normalize-advantages``.
+- ``--custom-convert-samples-to-train-data-path`` ``fn(args, samples) -> train_data``: the same
+  place, instead of slime's sample conversion (so the reward post-process is not called);
+  ``train_data`` holds one entry per sample in the same order: ``tokens``, ``response_lengths``,
+  ``loss_masks``, ``rewards`` (as above) and optionally ``rollout_log_probs``; these replace the
+  samples' own fields for training.
+- ``--rollout-data-postprocess-path`` ``fn(args, rollout_id, rollout_data)``: once per rollout
+  batch on each rank, after the log-probs and advantages (the same ``rollout_data`` as the
+  advantage hook's, plus per-token ``advantages`` / ``returns``, ``tokens``, ``sample_indices``,
+  ``truncated``), before training. Changes it makes to ``advantages`` and ``loss_masks`` are
+  trained on (slime's data iterator reads the same dict); other keys are not read back. slime
+  hands each data-parallel rank its own share; here every rank gets the whole batch.
 - ``--custom-model-provider-path`` ``fn(pre_process, post_process[, vp_stage]) -> module``
   (Megatron backend only): builds each pipeline stage instead of the built-in GPT model; the HF
   weights of ``--hf-checkpoint`` are then loaded into it, so its parameter names must be
@@ -52,6 +68,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from buffer.sample import Status
 from train_backend.settings import TrainSettings
 
 _SIGNATURES: dict[str, list[str] | None] = {
@@ -65,7 +82,20 @@ _SIGNATURES: dict[str, list[str] | None] = {
     "custom_megatron_before_log_prob_hook_path": ["args", "model", "store_prefix"],
     "custom_megatron_before_train_step_hook_path": ["args", "rollout_id", "step_id", "model", "optimizer",
                                                     "opt_param_scheduler"],
+    "custom_reward_post_process_path": ["args", "samples"],
+    "custom_convert_samples_to_train_data_path": ["args", "samples"],
+    "rollout_data_postprocess_path": ["args", "rollout_id", "rollout_data"],
 }
+_FIELDS = {"custom_loss_function_path": "loss", "custom_advantage_function_path": "advantage",
+           "custom_tis_function_path": "tis", "custom_pg_loss_reducer_function_path": "pg_loss_reducer",
+           "custom_model_provider_path": "model_provider", "custom_megatron_init_path": "init",
+           "custom_megatron_before_log_prob_hook_path": "before_log_prob",
+           "custom_megatron_before_train_step_hook_path": "before_train_step",
+           "custom_reward_post_process_path": "reward_post_process",
+           "custom_convert_samples_to_train_data_path": "convert_samples",
+           "rollout_data_postprocess_path": "data_postprocess"}
+# a plugin's per-sample log-probs of the policy ("") or the reference ("ref_"; None without one)
+LogProbsFn = Callable[[str, list], "list[list[float]] | None"]
 
 
 def plugin_args(settings: TrainSettings) -> argparse.Namespace:
@@ -90,6 +120,10 @@ class TrainHooks:
     init: Callable | None = None
     before_log_prob: Callable | None = None
     before_train_step: Callable | None = None
+    reward_post_process: Callable | None = None
+    convert_samples: Callable | None = None
+    data_postprocess: Callable | None = None
+    reward_key: str | None = None  # --reward-key: the raw reward of a dict reward
 
     @classmethod
     def load(cls, settings: TrainSettings) -> "TrainHooks":
@@ -99,12 +133,8 @@ class TrainHooks:
         for dest, params in _SIGNATURES.items():
             path = getattr(settings, dest)
             if path:
-                fns[dest] = load_function(path, "--" + dest.replace("_", "-"), params, is_async=False)
-        return cls(plugin_args(settings), fns.get("custom_loss_function_path"),
-                   fns.get("custom_advantage_function_path"), fns.get("custom_tis_function_path"),
-                   fns.get("custom_pg_loss_reducer_function_path"), fns.get("custom_model_provider_path"),
-                   fns.get("custom_megatron_init_path"), fns.get("custom_megatron_before_log_prob_hook_path"),
-                   fns.get("custom_megatron_before_train_step_hook_path"))
+                fns[_FIELDS[dest]] = load_function(path, "--" + dest.replace("_", "-"), params, is_async=False)
+        return cls(plugin_args(settings), reward_key=settings.reward_key, **fns)
 
     # --- call sites ---------------------------------------------------------------------------
     def call_init(self) -> None:
@@ -132,14 +162,70 @@ class TrainHooks:
             raise ValueError(f"--custom-model-provider-path returned {type(model).__name__}, not a torch.nn.Module")
         return model
 
-    def advantages(self, samples: list, values: list[float], raw_rewards: list[float], log_probs: list[list[float]],
-                   ref_log_probs: list[list[float]] | None) -> list[list[float]]:
-        """Call the advantage hook on the batch; returns per-token advantages, one list per sample."""
-        assert self.advantage is not None
+    # --- the rollout batch before training ---------------------------------------------------
+    def train_values(self, samples: list) -> tuple[list, list[float]] | None:
+        """slime's sample-to-train-data step on the trainable ``samples`` (flat, group order):
+        ``(samples to train, per-sample advantage values)``, or None when neither
+        ``--custom-convert-samples-to-train-data-path`` nor ``--custom-reward-post-process-path``
+        is set (the estimator's values stand)."""
+        if self.convert_samples is not None:
+            return _converted(self.convert_samples(self.args, samples), samples)
+        if self.reward_post_process is None:
+            return None
+        flag = "--custom-reward-post-process-path"
+        out = self.reward_post_process(self.args, samples)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise ValueError(f"{flag}: must return (raw_rewards, rewards), got {type(out).__name__}")
+        return samples, _floats(out[1], len(samples), flag, "rewards")
+
+    @property
+    def needs_rollout_data(self) -> bool:
+        """Whether a hook reads the batch's log-probs before training (they cost a forward pass)."""
+        return self.advantage is not None or self.data_postprocess is not None
+
+    def rollout_data_step(self, samples: list, values: list[float], adv: list, rollout_id: int,
+                          log_probs: LogProbsFn, normalize: bool) -> list:
+        """slime's steps between the log-probs and the training of a rollout batch:
+        ``--custom-advantage-function-path`` (then ``--normalize-advantages``), then
+        ``--rollout-data-postprocess-path``. ``values`` are the estimator's per-sample values
+        (slime's ``rewards``), ``adv`` the advantages so far (``values`` whitened with
+        ``--normalize-advantages``). Returns the advantages, per token; loss
+        masks the post-process changed are written to ``samples``. Collective: ``log_probs``
+        runs forward passes on every rank."""
+        from train_backend.batching import whiten_advantages
+
+        data = self._rollout_data(samples, values, log_probs)
+        if self.advantage is not None:
+            adv = self._call_advantage(data, samples)
+            if normalize:
+                adv = whiten_advantages(samples, adv)
+        if self.data_postprocess is None:
+            return adv
+        flag = "--rollout-data-postprocess-path"
+        per_token = [a if isinstance(a, list) else [a] * s.response_length for a, s in zip(adv, samples)]
+        data["advantages"] = [torch.tensor(a, dtype=torch.float32) for a in per_token]
+        data["returns"] = [a.clone() for a in data["advantages"]]
+        data["tokens"] = [torch.tensor(s.tokens) for s in samples]
+        data["sample_indices"] = [s.index for s in samples]
+        data["truncated"] = [int(s.status == Status.TRUNCATED) for s in samples]
+        self.data_postprocess(self.args, rollout_id, data)
+        adv = _per_token(data.get("advantages"), samples, flag, "advantages", torch.float64)
+        masks = _per_token(data.get("loss_masks"), samples, flag, "loss_masks", torch.int64)
+        for s, m in zip(samples, masks):
+            if any(x not in (0, 1) for x in m):
+                raise ValueError(f"{flag}: loss_masks of sample {s.index} hold values other than 0 and 1")
+            s.loss_mask = [int(x) for x in m]
+        return adv
+
+    def _rollout_data(self, samples: list, values: list, log_probs: LogProbsFn) -> dict[str, Any]:
+        """slime's ``rollout_data`` at the point its advantage hook runs (per-sample lists)."""
         f32 = torch.float32
+        logp = log_probs("", samples)
+        ref = log_probs("ref_", samples)
         data: dict[str, Any] = {
-            "rewards": list(values), "raw_reward": list(raw_rewards),
-            "log_probs": [torch.tensor(x, dtype=f32) for x in log_probs],
+            "rewards": list(values),
+            "raw_reward": [s.scalar_reward(self.reward_key) for s in samples],
+            "log_probs": [torch.tensor(x, dtype=f32) for x in logp],
             "rollout_log_probs": [torch.tensor(s.rollout_log_probs or [0.0] * s.response_length, dtype=f32)
                                   for s in samples],
             "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.int32) for s in samples],
@@ -147,22 +233,16 @@ class TrainHooks:
             "total_lengths": [len(s.tokens) for s in samples],
             "kl": [torch.zeros(s.response_length, dtype=f32) for s in samples],
         }
-        if ref_log_probs is not None:
-            data["ref_log_probs"] = [torch.tensor(x, dtype=f32) for x in ref_log_probs]
+        if ref is not None:
+            data["ref_log_probs"] = [torch.tensor(x, dtype=f32) for x in ref]
+        return data
+
+    def _call_advantage(self, data: dict[str, Any], samples: list) -> list[list[float]]:
+        """The advantage hook on ``data``; returns per-token advantages, one list per sample."""
+        assert self.advantage is not None
         self.advantage(self.args, data)
-        adv = data.get("advantages")
-        flag = "--custom-advantage-function-path"
-        if not isinstance(adv, (list, tuple)) or len(adv) != len(samples):
-            raise ValueError(f"{flag}: must set rollout_data['advantages'] to a list of {len(samples)} per-token "
-                             f"tensors (got {type(adv).__name__})")
-        out = []
-        for i, (a, s) in enumerate(zip(adv, samples)):
-            t = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-            if t.numel() != s.response_length:
-                raise ValueError(f"{flag}: advantages of sample {i} have {t.numel()} entries, its response "
-                                 f"{s.response_length} tokens")
-            out.append(t.tolist())
-        return out
+        return _per_token(data.get("advantages"), samples, "--custom-advantage-function-path", "advantages",
+                          torch.float64)
 
     def custom_loss(self, resp_logits: Tensor, packed: Any, reducer: Callable[[Tensor], Tensor],
                     old_logp: Tensor | None, ref_logp: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -194,3 +274,57 @@ class TrainHooks:
                              f"{type(result).__name__}")
         loss, metrics = result
         return loss, {k: torch.as_tensor(v).detach().float().sum() for k, v in dict(metrics).items()}
+
+
+def _per_token(value: Any, samples: list, flag: str, key: str, dtype: torch.dtype) -> list[list]:
+    """``rollout_data[key]`` checked as one per-token sequence per sample, as lists."""
+    if not isinstance(value, (list, tuple)) or len(value) != len(samples):
+        raise ValueError(f"{flag}: rollout_data[{key!r}] must be a list of {len(samples)} per-token tensors "
+                         f"(got {type(value).__name__})")
+    out = []
+    for i, (a, s) in enumerate(zip(value, samples)):
+        t = torch.as_tensor(a, dtype=dtype).reshape(-1)
+        if t.numel() != s.response_length:
+            raise ValueError(f"{flag}: rollout_data[{key!r}] of sample {i} has {t.numel()} entries, its "
+                             f"response {s.response_length} tokens")
+        out.append(t.tolist())
+    return out
+
+
+def _floats(value: Any, n: int, flag: str, key: str) -> list[float]:
+    try:
+        out = [float(x) for x in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag}: {key} must be {n} numbers, got {type(value).__name__}") from None
+    if len(out) != n:
+        raise ValueError(f"{flag}: returned {len(out)} {key} for {n} samples")
+    return out
+
+
+def _converted(data: Any, samples: list) -> tuple[list, list[float]]:
+    """``--custom-convert-samples-to-train-data-path``'s ``train_data`` as samples to train and
+    their advantage values; each sample's training fields replaced by the dict's entries."""
+    flag = "--custom-convert-samples-to-train-data-path"
+    n = len(samples)
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag}: must return slime's train_data dict, got {type(data).__name__}")
+    for key in ("tokens", "response_lengths", "loss_masks", "rewards"):
+        if key not in data:
+            raise ValueError(f"{flag}: train_data lacks {key!r} (needs tokens, response_lengths, loss_masks, "
+                             "rewards)")
+        if len(data[key]) != n:
+            raise ValueError(f"{flag}: train_data[{key!r}] has {len(data[key])} entries for {n} samples (one per "
+                             "sample, in order)")
+    values = _floats(data["rewards"], n, flag, "rewards")
+    rollout_lp = data.get("rollout_log_probs")
+    out = []
+    for i, s in enumerate(samples):
+        fields: dict[str, Any] = {
+            "tokens": [int(t) for t in torch.as_tensor(data["tokens"][i]).reshape(-1).tolist()],
+            "response_length": int(data["response_lengths"][i]),
+            "loss_mask": [int(m) for m in torch.as_tensor(data["loss_masks"][i]).reshape(-1).tolist()],
+        }
+        if rollout_lp is not None:
+            fields["rollout_log_probs"] = [float(x) for x in torch.as_tensor(rollout_lp[i]).reshape(-1).tolist()]
+        out.append(s.copy(**fields))
+    return out, values

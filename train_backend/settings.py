@@ -22,7 +22,9 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # slime's trainer-side plugin flags (dest names) -> what each is called with; train_backend/hooks.py
 HOOK_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
               "custom_pg_loss_reducer_function_path", "custom_model_provider_path", "custom_megatron_init_path",
-              "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path")
+              "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
+              "custom_reward_post_process_path", "custom_convert_samples_to_train_data_path",
+              "rollout_data_postprocess_path")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
 
@@ -91,6 +93,9 @@ class TrainSettings:
     custom_megatron_init_path: str | None = None
     custom_megatron_before_log_prob_hook_path: str | None = None
     custom_megatron_before_train_step_hook_path: str | None = None
+    custom_reward_post_process_path: str | None = None
+    custom_convert_samples_to_train_data_path: str | None = None
+    rollout_data_postprocess_path: str | None = None
     plugin_args: dict[str, Any] | None = None
     # shared with the rollout side
     rollout_temperature: float = 1.0
@@ -176,13 +181,10 @@ class TrainSettings:
             raise ValueError(f"--custom-model-provider-path {self.custom_model_provider_path} builds a Megatron "
                              "model; the torch backend trains the HF model of --hf-checkpoint: use --train-backend "
                              "megatron")
-        if self.backend == "megatron":
-            for flag, path in (("--custom-loss-function-path", self.custom_loss_function_path),
-                               ("--custom-advantage-function-path", self.custom_advantage_function_path)):
-                if path:
-                    raise ValueError(f"{flag} {path}: runs on --train-backend torch only so far (the Megatron "
-                                     "backend does not yet hand plugins full-vocabulary logits / per-sample "
-                                     "log-probs before training)")
+        if self.custom_convert_samples_to_train_data_path and self.custom_reward_post_process_path:
+            raise ValueError(f"--custom-reward-post-process-path {self.custom_reward_post_process_path} is called by "
+                             "the default sample conversion, which --custom-convert-samples-to-train-data-path "
+                             "replaces (as in slime, it would never be called)")
         if self.reward_kl_coef != 0:
             raise ValueError(f"--kl-coef {self.reward_kl_coef}: in slime this is the KL penalty folded into the "
                              "rewards of --advantage-estimator ppo / reinforce_plus_plus (a no-op for grpo), which "

@@ -22,7 +22,7 @@ from torch import Tensor
 from buffer.sample import Sample
 from train_backend import torch_checkpoint
 from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, begin_train_step, pack,
-                                    plan_micro_batches, whiten_advantages)
+                                    plan_micro_batches)
 from train_backend.hooks import TrainHooks
 from train_backend.settings import TrainSettings
 from train_backend.losses import (LossConfig, aggregate, count_samples_without_loss_tokens, log_probs_from_logits,
@@ -211,12 +211,10 @@ class TorchBackend:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
         t0 = time.perf_counter()
         s = self.settings
-        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
+        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len, self.hooks, self._plugin_log_probs)
         batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
         if not batch.samples:
             return metrics
-        if self.hooks.advantage is not None:
-            adv = self._custom_advantages(batch)
         plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]
         # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
         denominators = count_samples_without_loss_tokens(
@@ -274,18 +272,17 @@ class TorchBackend:
         metrics["train/step_time_s"] = elapsed
         return metrics
 
-    def _custom_advantages(self, batch: RolloutBatch) -> list[list[float]]:
-        """``--custom-advantage-function-path`` on the batch (collective: log-probs on every rank)."""
-        self.hooks.call_before_log_prob([self.model], "")
-        logp = self.compute_log_probs(batch.samples)
-        ref = None
-        if self.ref_model is not None:
-            self.hooks.call_before_log_prob([self.ref_model], "ref_")
-            with self._ref_on_device() as model:
-                ref = self._sample_log_probs(model, batch.samples)
-        raw = [s.scalar_reward(self.settings.reward_key) for s in batch.samples]
-        adv = self.hooks.advantages(batch.samples, batch.advantages, raw, logp, ref)
-        return whiten_advantages(batch.samples, adv) if self.settings.normalize_advantages else adv
+    def _plugin_log_probs(self, prefix: str, samples: list[Sample]) -> list[list[float]] | None:
+        """The log-probs slime's rollout-data hooks read: the policy's (``""``) or the reference's
+        (``"ref_"``; None without one), each after slime's before-log-prob hook. Collective."""
+        model = self.model if prefix == "" else self.ref_model
+        if model is None:
+            return None
+        self.hooks.call_before_log_prob([model], prefix)
+        if prefix == "":
+            return self.compute_log_probs(samples)
+        with self._ref_on_device() as ref:
+            return self._sample_log_probs(ref, samples)
 
     def _custom_loss(self, mb: PackedMicroBatch, denom, old_logp: Tensor | None, ref_logp: Tensor | None
                      ) -> tuple[Tensor, dict[str, Tensor]]:

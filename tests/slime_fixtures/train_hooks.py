@@ -76,3 +76,77 @@ def dr_grpo_reducer(total_lengths, response_lengths, loss_masks, calculate_per_t
     return reduce
 
 
+
+
+# --- written to equal Reservoir's built-in path (the tests compare the trained weights) ----------
+
+def grpo_advantages(args, rollout_data):
+    """slime's grpo advantage: the normalised reward on every token."""
+    rollout_data["advantages"] = [torch.full_like(lp, r) for lp, r in
+                                  zip(rollout_data["log_probs"], rollout_data["rewards"])]
+
+
+def ppo_loss(args, batch, logits, sum_of_sample_mean):
+    """The clipped PPO loss alone, from slime's helpers."""
+    _, out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                       total_lengths=batch["total_lengths"],
+                                       response_lengths=batch["response_lengths"])
+    log_probs = torch.cat(out["log_probs"])
+    old = torch.cat(batch["log_probs"]) if "log_probs" in batch else log_probs.detach()
+    pg, clipfrac = compute_policy_loss(old - log_probs, torch.cat(batch["advantages"]), args.eps_clip, args.eps_clip)
+    loss = sum_of_sample_mean(pg)
+    return loss, {"pg_loss": loss.detach(), "custom_clipfrac": sum_of_sample_mean(clipfrac).detach()}
+
+
+def grpo_rewards(args, samples):
+    """slime's default reward post-process for grpo: each group's rewards, centred and scaled."""
+    raw = [s.get_reward_value(args) for s in samples]
+    out = [0.0] * len(samples)
+    for g in {s.group_index for s in samples}:
+        idx = [i for i, s in enumerate(samples) if s.group_index == g]
+        r = torch.tensor([raw[i] for i in idx], dtype=torch.float64)
+        r = r - r.mean()
+        for i, v in zip(idx, (r / (r.std() + 1e-6)).tolist()):
+            out[i] = v
+    return raw, out
+
+
+def train_data_first_token_masked(args, samples):
+    """slime's conversion with each sample's first response token out of the loss."""
+    raw, rewards = grpo_rewards(args, samples)
+    return {"tokens": [s.tokens for s in samples], "response_lengths": [s.response_length for s in samples],
+            "rewards": rewards, "raw_reward": raw, "loss_masks": [[0] + s.loss_mask[1:] for s in samples],
+            "sample_indices": [s.index for s in samples]}
+
+
+def double_advantages_mask_first_token(args, rollout_id, rollout_data):
+    """A rollout-data post-process: advantages doubled, each first response token out of the loss."""
+    rollout_data["advantages"] = [2 * a for a in rollout_data["advantages"]]
+    for m in rollout_data["loss_masks"]:
+        m[0] = 0
+    POSTPROCESSED.append(rollout_id)
+
+
+POSTPROCESSED = []  # rollout ids the post-process saw, read by the test in the same process
+
+
+PROVIDED = []  # (pre_process, post_process, vp_stage) of each call, read in the same process
+
+
+def gpt_provider(pre_process, post_process, vp_stage=None):
+    """A model provider in slime's signature building megatron-core's GPTModel for the checkpoint
+    in $RESERVOIR_TEST_HF (slime's would read megatron's global args instead)."""
+    import os
+
+    from megatron.core import parallel_state
+    from transformers import AutoConfig
+
+    from train_backend.megatron import model as mmodel
+
+    PROVIDED.append((pre_process, post_process, vp_stage))
+    hf = AutoConfig.from_pretrained(os.environ["RESERVOIR_TEST_HF"])
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dims = mmodel.dims_from_hf(hf, 128, tp)
+    config = mmodel.transformer_config(dims, params_dtype=torch.float32, tp_size=tp, pp_size=1,
+                                       sequence_parallel=False, on_cpu=True)
+    return mmodel.build_gpt_model(dims, config, hf, use_te=False)

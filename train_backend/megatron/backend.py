@@ -28,7 +28,8 @@ from buffer.sample import Sample
 from train_backend.batching import RolloutBatch, balance, begin_train_step, pack
 from train_backend.hooks import TrainHooks
 from train_backend.settings import TrainSettings
-from train_backend.losses import LossConfig, LossDenominators, count_samples_without_loss_tokens, rl_loss
+from train_backend.losses import (LossConfig, LossDenominators, aggregate, count_samples_without_loss_tokens,
+                                  rl_loss)
 from train_backend.megatron import checkpoint, cpu_compat, forward, loss_head, model as mmodel, parallel, saving
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.schedule import learning_rate
@@ -260,7 +261,7 @@ class MegatronBackend:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
         t0 = time.perf_counter()
         s = self.settings
-        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len)
+        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len, self.hooks, self._plugin_log_probs)
         batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
         if not batch.samples:
             return metrics
@@ -282,6 +283,7 @@ class MegatronBackend:
                     mb.extra["ref_logp"] = lp
 
         sums = torch.zeros(len(_ALL_STATS), dtype=torch.float64)
+        custom: dict[str, float] = {}  # a custom loss's own metrics (names rl_loss does not report)
         grad_norms, lrs, tokens = [], [], 0
         for k, (mbs, denom) in enumerate(zip(plans, denominators)):
             losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses
@@ -289,6 +291,10 @@ class MegatronBackend:
             def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom,
                         losses: list[torch.Tensor] = losses) -> tuple[torch.Tensor, dict]:
                 p = mb.extra["packed"]
+                if self.hooks.loss is not None:  # --loss-type custom_loss
+                    loss, stats = self._custom_loss(mb, logits, denom)
+                    losses.append(loss.detach())
+                    return loss, stats
                 logp, ent = self._logp(mb, logits, with_entropy=True, entropy_grad=s.entropy_coef != 0)
                 old = mb.extra.get("old_logp")
                 loss, stats = rl_loss(self.loss_cfg, denom, logp, logp.detach() if old is None else old,
@@ -312,11 +318,14 @@ class MegatronBackend:
                                        f"step {k}; the weights were not updated")
             if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
                 for st in out:
-                    names = [name for name in _ALL_STATS if name in st]
+                    names = [n for n in st if self.hooks.loss is not None or n in _ALL_STATS]
                     values = torch.stack([torch.as_tensor(st[n], dtype=torch.float64, device=self.device)
                                           for n in names]).tolist()  # one transfer per micro-batch
                     for name, v in zip(names, values):
-                        sums[_ALL_STATS.index(name)] += v
+                        if self.hooks.loss is not None:
+                            custom[name] = custom.get(name, 0.0) + v
+                        else:
+                            sums[_ALL_STATS.index(name)] += v
             tokens += sum(int(mb.extra["packed"].input_ids.numel()) for mb in mbs
                           if mb.extra["packed"].loss_mask.any())
             lr = learning_rate(s, self.optimizer_steps)
@@ -329,7 +338,8 @@ class MegatronBackend:
                                    "the weights were not updated")
             grad_norms.append(float(grad_norm))
             self.optimizer_steps += 1
-        metrics.update(self._reduce(sums, len(steps), tokens))
+        metrics.update(self._reduce(sums, len(steps), tokens) if self.hooks.loss is None
+                       else self._reduce_custom(custom, len(steps), tokens))
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/lr"] = lrs[-1]
         metrics["train/optimizer_steps"] = float(len(steps))
@@ -356,12 +366,55 @@ class MegatronBackend:
         out["train/_tokens"] = total["_tokens"]
         return out
 
+    def _reduce_custom(self, custom: dict[str, float], num_steps: int, tokens: int) -> dict[str, float]:
+        """A custom loss's metrics (whatever names it returns; they live where ``_reduce``'s do),
+        summed over the world as means over the optimizer steps."""
+        first_of_replica = (parallel_state.get_pipeline_model_parallel_rank() == 0
+                            and parallel_state.get_tensor_model_parallel_rank() == 0)
+        parts: list[Any] = [(custom, float(tokens) if first_of_replica else 0.0)]
+        if dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (custom, float(tokens) if first_of_replica else 0.0))
+        total: dict[str, float] = {}
+        for stats, _ in parts:
+            for name, v in stats.items():
+                total[name] = total.get(name, 0.0) + v
+        out = {f"train/{n}": v / num_steps for n, v in total.items()}
+        out["train/_tokens"] = sum(t for _, t in parts)
+        return out
+
+    def _custom_loss(self, mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``--loss-type custom_loss`` on one micro-batch: the plugin gets the full vocabulary's
+        logits (gathered over tensor-parallel ranks, the padded vocabulary rows cut) of the
+        positions predicting response tokens, in slime's layout (:meth:`TrainHooks.custom_loss`)."""
+        p = mb.extra["packed"]
+        flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(flat)[:, :self.dims.vocab_size]  # [N, V]
+
+        def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:
+            return aggregate(x, p.loss_mask, self.settings.loss_agg, p.seq_ids, p.num_seqs, denom)
+
+        return self.hooks.custom_loss(full, p, sum_of_sample_mean, mb.extra.get("old_logp"), mb.extra.get("ref_logp"))
+
+    def _plugin_log_probs(self, prefix: str, samples: list[Sample]) -> list[list[float]] | None:
+        """The log-probs slime's rollout-data hooks read: the policy's (``""``) or the reference's
+        (``"ref_"``; None without one), each after slime's before-log-prob hook. Collective."""
+        model = self.model if prefix == "" else self.ref_model
+        if model is None:
+            return None
+        self.hooks.call_before_log_prob([model], prefix)
+        return self._sample_log_probs(model, samples)
+
     # --- inference ----------------------------------------------------------------------------
     @_on_device
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-response-token log-probs of the current policy (logits / ``--rollout-temperature``).
         Collective: every rank passes the same samples and gets all of them; each data-parallel
         replica computes a share."""
+        return self._sample_log_probs(self.model, samples)
+
+    def _sample_log_probs(self, model: torch.nn.Module, samples: list[Sample]) -> list[list[float]]:
         out: dict[int, list[float]] = {i: [] for i in range(len(samples))}
         todo = [i for i, x in enumerate(samples) if 0 < x.response_length < len(x.tokens)]
         mine: dict[int, list[float]] = {}
@@ -371,7 +424,7 @@ class MegatronBackend:
                 mbs = self._micro_batches([samples[i] for i in share], None)
             else:
                 mbs = self._filler(samples[todo[0]])
-            results = self._forward_only(self.model, mbs)
+            results = self._forward_only(model, mbs)
             if parallel_state.is_pipeline_last_stage() and share:
                 for mb, lp in zip(mbs, results):
                     assert lp is not None
