@@ -318,14 +318,14 @@ class MegatronBackend:
                                        f"step {k}; the weights were not updated")
             if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
                 for st in out:
-                    names = [n for n in st if self.hooks.loss is not None or n in _ALL_STATS]
+                    names = list(st)
                     values = torch.stack([torch.as_tensor(st[n], dtype=torch.float64, device=self.device)
                                           for n in names]).tolist()  # one transfer per micro-batch
                     for name, v in zip(names, values):
-                        if self.hooks.loss is not None:
-                            custom[name] = custom.get(name, 0.0) + v
-                        else:
+                        if self.hooks.loss is None and name in _ALL_STATS:
                             sums[_ALL_STATS.index(name)] += v
+                        else:
+                            custom[name] = custom.get(name, 0.0) + v
             tokens += sum(int(mb.extra["packed"].input_ids.numel()) for mb in mbs
                           if mb.extra["packed"].loss_mask.any())
             lr = learning_rate(s, self.optimizer_steps)
@@ -338,8 +338,12 @@ class MegatronBackend:
                                    "the weights were not updated")
             grad_norms.append(float(grad_norm))
             self.optimizer_steps += 1
-        metrics.update(self._reduce(sums, len(steps), tokens) if self.hooks.loss is None
-                       else self._reduce_custom(custom, len(steps), tokens))
+        if self.hooks.loss is not None:
+            metrics.update(self._reduce_custom(custom, len(steps), tokens))
+        else:
+            metrics.update(self._reduce(sums, len(steps), tokens))
+            if self.hooks.tis is not None:  # a custom TIS function's own metrics (same test on every rank)
+                metrics.update({k: v for k, v in self._reduce_custom(custom, len(steps), 0).items() if k[:7] != "train/_"})
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/lr"] = lrs[-1]
         metrics["train/optimizer_steps"] = float(len(steps))
@@ -367,8 +371,8 @@ class MegatronBackend:
         return out
 
     def _reduce_custom(self, custom: dict[str, float], num_steps: int, tokens: int) -> dict[str, float]:
-        """A custom loss's metrics (whatever names it returns; they live where ``_reduce``'s do),
-        summed over the world as means over the optimizer steps."""
+        """A plugin's metrics (a custom loss's or TIS function's, whatever names it returns; they live
+        where ``_reduce``'s do), summed over the world as means over the optimizer steps."""
         first_of_replica = (parallel_state.get_pipeline_model_parallel_rank() == 0
                             and parallel_state.get_tensor_model_parallel_rank() == 0)
         parts: list[Any] = [(custom, float(tokens) if first_of_replica else 0.0)]
