@@ -53,6 +53,8 @@ def test_torch_backend_runs_slime_loss_advantage_and_megatron_hooks(toy_model_di
     proc, events = _run(toy_model_dir, tmp_path, "--loss-type", "custom_loss",
                         "--custom-loss-function-path", H + "policy_loss",
                         "--custom-advantage-function-path", H + "advantages",
+                        "--custom-reward-post-process-path", H + "recorded_grpo_rewards",
+                        "--rollout-data-postprocess-path", H + "recorded_postprocess",
                         "--optimizer", "adam", "--max-tokens-per-gpu", "64", "--use-dynamic-batch-size",
                         "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
                         "--kl-coef", "0.00", "--ref-load", str(toy_model_dir), "--attention-dropout", "0.0",
@@ -70,6 +72,13 @@ def test_torch_backend_runs_slime_loss_advantage_and_megatron_hooks(toy_model_di
     assert len(adv) == 2 and all(e["n"] == 8 and e["has_ref"] and e["lengths_ok"] for e in adv)
     steps = [(e["rollout_id"], e["step_id"]) for e in events if e["hook"] == "before_train_step"]
     assert steps == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # before them: the reward post-process on the batch's samples, the post-process after the advantages
+    assert [(e["n"], e["slime_sample"]) for e in events if e["hook"] == "reward_post_process"] == [(8, "Sample")] * 2
+    post = [e for e in events if e["hook"] == "postprocess"]
+    assert [(e["rollout_id"], e["n"]) for e in post] == [(0, 8), (1, 8)]
+    assert {"advantages", "log_probs", "ref_log_probs", "loss_masks", "rewards"} <= set(post[0]["keys"])
+    order = [e["hook"] for e in events if e["hook"] in ("reward_post_process", "advantage", "postprocess")]
+    assert order == ["reward_post_process", "advantage", "postprocess"] * 2
     prefixes = [e["prefix"] for e in events if e["hook"] == "before_log_prob"]
     assert prefixes == ["", "ref_", "", "ref_"] * 2
     assert hooks.count("loss") >= 4  # every micro-batch of every optimizer step went through it

@@ -150,3 +150,15 @@ def gpt_provider(pre_process, post_process, vp_stage=None):
     config = mmodel.transformer_config(dims, params_dtype=torch.float32, tp_size=tp, pp_size=1,
                                        sequence_parallel=False, on_cpu=True)
     return mmodel.build_gpt_model(dims, config, hf, use_te=False)
+
+
+def recorded_grpo_rewards(args, samples):
+    """:func:`grpo_rewards`, recording its call (for runs through the launcher)."""
+    _record(args, hook="reward_post_process", n=len(samples), slime_sample=type(samples[0]).__name__)
+    return grpo_rewards(args, samples)
+
+
+def recorded_postprocess(args, rollout_id, rollout_data):
+    """A rollout-data post-process that only records what it was given."""
+    _record(args, hook="postprocess", rollout_id=rollout_id, keys=sorted(rollout_data),
+            n=len(rollout_data["advantages"]))
