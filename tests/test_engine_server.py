@@ -32,6 +32,21 @@ async def wait_running(c: EngineClient, n: int = 1, timeout: float = 10.0) -> No
         await asyncio.sleep(0.002)
 
 
+async def assert_held(c: EngineClient, task: asyncio.Task, waiting: int = 0, timeout: float = 10.0) -> None:
+    """The paused engine holds ``task``'s request: once ``waiting`` requests are queued, the
+    scheduler thread runs two commands (checksum reads run there between forwards), so it went
+    past the request at least twice; still no decode step ran and the request has no answer."""
+    deadline = time.monotonic() + timeout
+    while (await c.request("GET", "/get_load"))[0]["num_waiting_reqs"] < waiting:
+        assert time.monotonic() < deadline, "request never reached the engine"
+        await asyncio.sleep(0.002)
+    steps = (await c.server_info())["internal_states"][0]["decode_steps"]
+    for _ in range(2):
+        await c.request("POST", "/weights_checksum", {"names": ["model.norm.weight"]})
+    assert (await c.server_info())["internal_states"][0]["decode_steps"] == steps
+    assert not task.done(), "a paused engine must not serve requests"
+
+
 def test_greedy_matches_transformers_generate(engine_url, engine_model):
     ps = prompts(6)
 
@@ -129,17 +144,12 @@ def test_abort_returns_partial_tokens_and_abort_all(engine_url):
 
 
 def test_pause_in_place_keeps_requests_and_abort_mode_aborts(engine_url):
-    async def steps(c):
-        return (await c.server_info())["internal_states"][0]["decode_steps"]
-
     async def go():
         async with EngineClient(engine_url, timeout=60) as c:
             kept = asyncio.create_task(c.generate(input_ids=[5, 6], sampling_params=LONG))
             await wait_running(c)
             await c.pause_generation("in_place")
-            s0 = await steps(c)
-            await asyncio.sleep(0.3)
-            assert await steps(c) == s0 and not kept.done()
+            await assert_held(c, kept)
             await c.continue_generation()
             r_kept = await kept
             gone = asyncio.create_task(c.generate(input_ids=[5, 6], sampling_params=LONG))
@@ -147,8 +157,7 @@ def test_pause_in_place_keeps_requests_and_abort_mode_aborts(engine_url):
             await c.pause_generation("abort")
             r_gone = await gone
             waiting = asyncio.create_task(c.generate(input_ids=[7], sampling_params={"max_new_tokens": 2}))
-            await asyncio.sleep(0.3)
-            assert not waiting.done(), "a paused engine must not serve new requests"
+            await assert_held(c, waiting, waiting=1)
             await c.continue_generation()
             return r_kept, r_gone, await waiting
 
@@ -284,8 +293,7 @@ def test_release_and_resume_memory_occupation(engine_url):
                 await c.request("POST", "/release_memory_occupation", {"tags": ["gpu"]})
             assert (await c.request("POST", "/release_memory_occupation", {}))["success"]
             held = asyncio.create_task(c.generate(input_ids=[7], sampling_params={"max_new_tokens": 2}))
-            await asyncio.sleep(0.3)
-            assert not held.done(), "a released engine must not generate"
+            await assert_held(c, held, waiting=1)  # released: paused until resumed
             assert (await c.request("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]}))["success"]
             return e_busy.value, e_tag.value, await held
 

@@ -6,6 +6,7 @@ Run under a loopback-only namespace: ``unshare -n bash -c 'ip link set lo up && 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import threading
@@ -31,6 +32,22 @@ def _run(coro_fn, url: str, timeout: float = 60):
 
 def _version(url: str) -> str:
     return _run(lambda c: c.get_weight_version(), url)
+
+
+def _request_held(url: str, sent: threading.Thread) -> bool:
+    """Whether the paused engine holds the request ``sent`` makes: once it is queued there, the
+    scheduler thread runs two commands (checksum reads) and the request is still unanswered."""
+    async def check(c: EngineClient) -> bool:
+        deadline = time.monotonic() + 30
+        while (await c.request("GET", "/get_load"))[0]["num_waiting_reqs"] < 1:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            await asyncio.sleep(0.002)
+        for _ in range(2):
+            await c.request("POST", "/weights_checksum", {"names": ["model.norm.weight"]})
+        return sent.is_alive()
+    # progress is called on the sender's event loop: the check runs its own loop in a thread
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_run, check, url).result()
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +92,7 @@ def test_push_lands_everywhere_and_serves_the_new_weights(engines, ws_toy_model)
         if done == 1:
             sent.start()
         if done == total - 1:
-            time.sleep(0.3)
-            held.append(sent.is_alive())
+            held.append(_request_held(engines[0], sent))
 
     recorded = []
     s = WeightSyncSettings(bucket_bytes=64 * 1024, check_equal=True, timeout_s=30)
