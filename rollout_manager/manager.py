@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import inspect
 import logging
 import sys
@@ -47,8 +48,10 @@ class RolloutManager:
     def __init__(self, settings: RolloutSettings, args: argparse.Namespace, log_dir: str | None = None):
         from slime_compat._args import fill_slime_args
 
-        self.settings, self.args = settings, args
-        fill_slime_args(args, settings)  # slime's attribute names, before any plugin sees args
+        self.settings = settings
+        # the plugins' own args: a copy (the caller's namespace is never written), with slime's
+        # attribute names before any plugin sees it; start() adds the router's address to it
+        self.args = fill_slime_args(copy.copy(args), settings)
         p = settings.plugins
         self.paths = {flag: path for flag, path in (
             ("--rollout-function-path", p.rollout_function_path),

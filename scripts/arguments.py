@@ -15,6 +15,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from config import load_config_defaults
 
@@ -107,8 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv`` with ``--config`` defaults applied first; validate once; exit 2 on errors."""
+@dataclass(frozen=True)
+class RunSettings:
+    """Every part's settings, built (and so validated) once at start-up from the flags. The driver
+    and its wiring read these; the Namespace itself goes only to plugins, as their ``args``.
+    ``sync`` lacks what the rollout side adds once it runs (the engines' keys and serving dtype)."""
+
+    launcher: LauncherSettings
+    buffer: Any  # buffer.settings.BufferSettings
+    rollout: Any  # rollout_manager.settings.RolloutSettings
+    train: Any  # train_backend.settings.TrainSettings
+    megatron: Any  # train_backend.megatron.arguments.MegatronSettings
+    group: Any  # train_backend.actor_group.TrainerGroupSettings (--colocate applied)
+    sync: Any  # weight_sync.interfaces.WeightSyncSettings (the transport chosen)
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunSettings]:
+    """Parse ``argv`` with ``--config`` defaults applied first and build every part's settings
+    (validated once); exit 2 naming the flag on errors. Returns the Namespace (plugins' ``args``)
+    and the settings."""
     from rollout_manager.arguments import split_sglang_args
 
     parser = build_parser()
@@ -129,33 +147,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # a config file's build-toy-model builds only the toy model's own directory
         args.build_toy_model = Path(args.hf_checkpoint or "").resolve() == make_toy_model.DEFAULT_DIR
     try:
-        validate(args)
+        settings = build_settings(args)
     except ValueError as e:
         parser.error(str(e))
-    return args
+    return args, settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """:func:`parse`'s Namespace alone (what tests of the flags read)."""
+    return parse(argv)[0]
 
 
 def launcher_settings_from_args(args: argparse.Namespace) -> LauncherSettings:
     return LauncherSettings(**{f: getattr(args, f) for f in LauncherSettings.__dataclass_fields__})
 
 
-def validate(args: argparse.Namespace) -> None:
-    """Cross-part checks; each part's own checks run in its ``settings_from_args``."""
-    import rollout_manager.arguments
-
-    _place_colocated(args)  # its derived defaults (--rollout-num-gpus, placement) before the parts' checks
-    for module in _part_modules():
-        if module is rollout_manager.arguments:
-            module.settings_from_args(args, args.sglang_args)
-        else:
-            module.settings_from_args(args)
+def build_settings(args: argparse.Namespace) -> RunSettings:
+    """Each part's settings from its ``settings_from_args`` (its own checks), then the cross-part
+    checks; ``ValueError`` names the flags."""
+    from buffer.arguments import settings_from_args as buffer_settings
+    from rollout_manager.arguments import settings_from_args as rollout_settings
     from train_backend.arguments import group_settings_from_args
     from train_backend.arguments import settings_from_args as train_settings
     from train_backend.megatron.arguments import settings_from_args as megatron_settings
+    from weight_sync.arguments import settings_from_args as sync_settings
 
-    group = group_settings_from_args(args)  # trainer ranks vs. the backend's parallel layout
+    _place_colocated(args)  # its derived defaults (--rollout-num-gpus, placement) before the parts' checks
+    rollout = rollout_settings(args, args.sglang_args)
+    buffer = buffer_settings(args)
+    train, megatron = train_settings(args), megatron_settings(args)
+    # trainer ranks vs. the backend's parallel layout
+    group = dataclasses.replace(group_settings_from_args(args), colocate=args.colocate)
     if args.colocate:
-        dataclasses.replace(group, colocate=True).validate(train_settings(args), megatron_settings(args))
+        group.validate(train, megatron)
+    _check_launcher(args)
+    _check_gpu_count(args)
+    _choose_weight_transport(args)
+    sync = sync_settings(args)
+    _check_across_parts(args)
+    return RunSettings(launcher_settings_from_args(args), buffer, rollout, train, megatron, group, sync)
+
+
+def _check_launcher(args: argparse.Namespace) -> None:
     ckpt = args.hf_checkpoint
     if not ckpt:
         raise ValueError("--hf-checkpoint is required (the model to train and serve)")
@@ -179,8 +212,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--save-interval needs --save (the checkpoint directory)")
     if args.eval_interval and not args.eval_prompt_data:
         raise ValueError("--eval-interval needs --eval-prompt-data")
-    _check_gpu_count(args)
-    _choose_weight_transport(args)
+
+
+def _check_across_parts(args: argparse.Namespace) -> None:
     if args.check_weight_update_equal and args.rollout_engine == "sglang":
         # (for --engine-urls servers of another kind the sender finds out at connect, before any push)
         raise ValueError("--check-weight-update-equal compares the engines' /weights_checksum, which SGLang "

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from arguments import launcher_settings_from_args
+from arguments import RunSettings
 from metrics_log import MetricsLogger, plot_metrics
 from producer import AsyncProducer
 
@@ -37,9 +37,10 @@ class Run:
     ranks (a Ray actor group; rank 0 owns the weight sender), the metrics log, and the step to
     start from."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.s = launcher_settings_from_args(args)
+    def __init__(self, args: argparse.Namespace, settings: RunSettings):
+        self.args = args  # only for plugins (their ``args``); everything else reads ``settings``
+        self.settings = settings
+        self.s = settings.launcher
         self.output_dir = Path(self.s.output_dir)
         self.start_step = 0
         self.buffer = self.rollout = self.trainer = None
@@ -49,16 +50,17 @@ class Run:
         self._producer: AsyncProducer | None = None
         self.first_rollout = 0  # the next rollout to generate (after a resume: the first the checkpoint lacks)
         self._owns_ray = False
-        self.max_staleness = args.max_weight_staleness or 0
+        self.max_staleness = settings.buffer.max_weight_staleness or 0
         self.is_async = self.max_staleness > 0 and not (self.s.debug_rollout_only or self.s.debug_train_only)
 
     # --- start-up ------------------------------------------------------------------------
     @classmethod
-    def start(cls, args: argparse.Namespace) -> "Run":
-        run = cls(args)
+    def start(cls, args: argparse.Namespace, settings: RunSettings) -> "Run":
+        run = cls(args, settings)
         run._maybe_build_toy_model()
-        run._seed(args.seed)
+        run._seed(settings.train.seed)
         run.logger = MetricsLogger(run.output_dir, run.s.use_tensorboard, run.s.use_wandb, run.s.wandb_project,
+                                   # the flags as the user gave them (slime's names), for the run's record
                                    run_config={k: v for k, v in vars(args).items() if _is_plain(v) and k != "wandb_key"},
                                    wandb_group=run.s.wandb_group, wandb_key=run.s.wandb_key)
         run._start_ray()
@@ -73,12 +75,12 @@ class Run:
         return run
 
     def _maybe_build_toy_model(self) -> None:
-        ckpt = Path(self.args.hf_checkpoint or "")
-        if self.args.build_toy_model and not (ckpt / "config.json").exists():
+        ckpt = Path(self.settings.train.hf_checkpoint)
+        if self.s.build_toy_model and not (ckpt / "config.json").exists():
             import make_toy_model
 
             print(f"building the toy model at {ckpt} (--build-toy-model)")
-            make_toy_model.main(["--out", str(ckpt), "--warmup-steps", str(self.args.toy_warmup_steps)])
+            make_toy_model.main(["--out", str(ckpt), "--warmup-steps", str(self.s.toy_warmup_steps)])
 
     def _seed(self, seed: int) -> None:
         random.seed(seed)
@@ -97,11 +99,9 @@ class Run:
         import ray
 
         from buffer import create_buffer
-        from buffer.arguments import settings_from_args as buffer_settings
-        from rollout_manager.arguments import settings_from_args as rollout_settings
         from rollout_manager.actor import create_rollout_manager_actor
 
-        bs = buffer_settings(self.args)
+        bs = self.settings.buffer
         if bs.persist_dir is None and self.s.save:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
@@ -111,7 +111,7 @@ class Run:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
             here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                           soft=False)}
-        rs = rollout_settings(self.args, self.args.sglang_args)
+        rs = self.settings.rollout
         rs = dataclasses.replace(rs, engines=dataclasses.replace(rs.engines, **self._weight_update_access()))
         self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()), **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
@@ -126,8 +126,8 @@ class Run:
         directory, and the trainer's rendezvous address when it is not loopback. (Engines on other
         hosts need ``--update-weight-master-address`` set to the trainer's node: the address rank 0
         would pick itself is not known here.)"""
-        dirs = [str(Path(d).resolve()) for d in [self.args.update_weight_disk_dir] if d]
-        master = self.args.update_weight_master_address
+        dirs = [str(Path(d).resolve()) for d in [self.settings.sync.disk_dir] if d]
+        master = self.settings.sync.master_address
         return {"weight_update_dirs": dirs,
                 "weight_update_masters": [] if master in ("127.0.0.1", "localhost", "::1") else [master]}
 
@@ -135,33 +135,28 @@ class Run:
         """The trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node), one Ray actor each;
         one rank is the same code path."""
         from train_backend.actor_group import TrainerGroup
-        from train_backend.arguments import group_settings_from_args
-        from train_backend.arguments import settings_from_args as train_settings
-        from train_backend.megatron.arguments import settings_from_args as megatron_settings
 
-        group = dataclasses.replace(group_settings_from_args(self.args), colocate=self.s.colocate)
-        self.trainer = TrainerGroup(train_settings(self.args), megatron_settings(self.args), group)
+        s = self.settings
+        self.trainer = TrainerGroup(s.train, s.megatron, s.group)
         print("trainer ranks: " + ", ".join(f"{p['rank']}@{p['node']}" + (f" gpu {p['gpus']}" if p["gpus"] else "")
                                             for p in self.trainer.placement()), flush=True)
 
     def _sync_settings(self):
         """weight_sync's settings, with what the rollout side knows: the engines' API keys and, for
         SGLang engines started here, the dtype they serve in (pushes cast floating tensors to it)."""
-        from rollout_manager.arguments import settings_from_args as rollout_settings
-        from weight_sync.arguments import settings_from_args as sync_settings
         from weight_sync.arguments import sglang_serving_dtype
 
-        e = rollout_settings(self.args, self.args.sglang_args).engines
-        dtype = sglang_serving_dtype(e.sglang_args, self.args.hf_checkpoint) \
+        e = self.settings.rollout.engines
+        dtype = sglang_serving_dtype(e.sglang_args, self.settings.train.hf_checkpoint) \
             if e.rollout_engine == "sglang" and not e.engine_urls else None
-        return sync_settings(self.args, e.api_key, e.admin_api_key, engine_dtype=dtype)
+        return dataclasses.replace(self.settings.sync, api_key=e.api_key, admin_api_key=e.admin_api_key,
+                                   engine_dtype=dtype)
 
     def _connect_weight_sync(self) -> None:
-        from rollout_manager.arguments import settings_from_args as rollout_settings
         from rollout_manager.engines import engine_gpus
 
         # each engine joins the weight-update group with one rank per GPU (SGLang: rank_offset + tp_rank)
-        gpus = asyncio.run(engine_gpus(rollout_settings(self.args, self.args.sglang_args), self.engine_urls))
+        gpus = asyncio.run(engine_gpus(self.settings.rollout, self.engine_urls))
         sync = self._sync_settings()
         print(f"weight sync: {sync.transport}" + (f" over {sync.backend}" if sync.transport == "distributed" else "")
               + (f", floating tensors cast to {sync.engine_dtype}" if sync.engine_dtype else ""), flush=True)
@@ -178,7 +173,7 @@ class Run:
         from tqdm import tqdm
 
         return tqdm(steps, desc="train" if not self.s.debug_rollout_only else "rollout", unit="step",
-                    initial=self.start_step, total=self.args.num_rollout, dynamic_ncols=True)
+                    initial=self.start_step, total=self.s.num_rollout, dynamic_ncols=True)
 
     def start_async_rollout(self) -> None:
         """Async mode: the rollout manager produces into the buffer, at most K steps ahead of
@@ -207,7 +202,7 @@ class Run:
             if self.s.debug_train_only:
                 groups = read_parquet(self.s.load_debug_rollout_data.format(rollout_id=step))
             elif self._producer is None:
-                groups = call_buffer(self.buffer, "get", self.args.rollout_batch_size, step=step)
+                groups = call_buffer(self.buffer, "get", self.settings.rollout.sampling.rollout_batch_size, step=step)
             else:  # waits in slices, so a failed producer is reported instead of waited on
                 groups = self._get_async(step)
         if self.s.save_debug_rollout_data:
@@ -239,14 +234,14 @@ class Run:
 
     def maybe_save(self, step: int) -> None:
         if not self.s.save or not self.s.save_interval or (step + 1) % self.s.save_interval and \
-                step + 1 != self.args.num_rollout:
+                step + 1 != self.s.num_rollout:
             return
         with self._timer("perf/save_time"):
             path = Path(self.s.save) / f"step_{step:06d}"
             if self.trainer is not None:
                 self.trainer.save(str(path / "trainer"))
-                if self.args.save_hf:
-                    self.trainer.export_hf(self.args.save_hf.format(rollout_id=step))
+                if self.settings.train.save_hf:
+                    self.trainer.export_hf(self.settings.train.save_hf.format(rollout_id=step))
             # the driver's own RNGs; each trainer rank's are in its backend checkpoint (rng_<rank>.pt)
             state = {"step": step, "rng": _rng_state(), "weight_version": step + 1}
             if self.rollout is not None:
@@ -277,7 +272,7 @@ class Run:
             return False
         if before_train:
             return not self.s.skip_eval_before_train
-        return step % self.s.eval_interval == 0 or step == self.args.num_rollout
+        return step % self.s.eval_interval == 0 or step == self.s.num_rollout
 
     def evaluate(self, step: int) -> None:
         import ray
@@ -358,12 +353,12 @@ class Run:
 
     # --- helpers -------------------------------------------------------------------------
     def _get_async(self, step: int) -> list[list[Any]]:
-        deadline = time.monotonic() + self.args.buffer_get_timeout
+        deadline = time.monotonic() + self.settings.buffer.get_timeout_s
         while True:
             self._producer.check()
             wait = min(_GET_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                return call_buffer(self.buffer, "get", self.args.rollout_batch_size, timeout_s=wait, step=step)
+                return call_buffer(self.buffer, "get", self.settings.rollout.sampling.rollout_batch_size, timeout_s=wait, step=step)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise

@@ -17,14 +17,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arguments import parse_args  # noqa: E402
+from arguments import parse  # noqa: E402
 from components import Run, error_line  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
+    args, settings = parse(argv)  # args: only what plugins get; the run reads settings
     try:
-        run = Run.start(args)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
+        run = Run.start(args, settings)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
     except ValueError as e:  # a bad setting found while starting a part (plugin path, prompt file, ...)
         sys.exit(f"scripts/train.py: error: {e}")
     step = run.start_step
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> Path:
             run.evaluate(run.start_step)
         if run.is_async:
             run.start_async_rollout()
-        for step in run.progress(range(run.start_step, args.num_rollout)):
+        for step in run.progress(range(run.start_step, settings.launcher.num_rollout)):
             t0 = time.perf_counter()
             if not run.is_async:
                 run.generate(step)  # sync: fill the buffer with this step's groups

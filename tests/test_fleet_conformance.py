@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 
 from _fixtures_rollout import make_args
-from arguments import parse_args
+from arguments import parse, parse_args
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engines import EngineFleet, ManagedEngine
 from sglang_oracle import running_oracles
@@ -127,7 +127,7 @@ def test_launcher_joins_a_tp2_engine_with_one_rank_per_gpu_and_its_keys(ray_env,
     from components import Run
 
     before = _seen(oracle)["control"]
-    run = Run(parse_args(base + ["--rollout-engine", "sglang", "--engine-urls", oracle, *KEYS,
+    run = Run(*parse(base + ["--rollout-engine", "sglang", "--engine-urls", oracle, *KEYS,
                                  "--update-weight-timeout", "30"]))
     run.engine_urls = [oracle]  # what the rollout manager's start() returns for --engine-urls
     run._start_trainer()
