@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from buffer.sample import TRAINABLE as _TRAINABLE
 
-from rollout_manager.arguments import add_arguments, settings_from_args, split_sglang_args
+from rollout_manager.arguments import add_arguments, settings_from_args, split_sglang_args, with_engine_admin_key
 from rollout_manager.summary import format_summary, merge_metrics
 
 
@@ -75,7 +75,7 @@ async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, flo
     from rollout_manager.manager import RolloutManager
 
     cli = cli_settings(args)
-    settings = settings_from_args(args, sglang_args)
+    settings = with_engine_admin_key(settings_from_args(args, sglang_args))
     manager = RolloutManager(settings, args, log_dir=cli.log_dir)
     report = manager.data_report
     print(f"prompts: {report.loaded} loaded, {len(report.skipped)} bad lines skipped {report.skipped_by_reason or ''}")

@@ -14,6 +14,9 @@ itself (model, host, port, TP size, rendezvous ports) are refused, naming the fl
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import secrets
+import shlex
 from typing import Any
 
 from rollout_manager.settings import (REQUEST_GRANULARITIES, ROUTER_POLICIES, DataSettings, EngineFleetSettings, PluginSettings,
@@ -252,6 +255,28 @@ def sglang_api_keys(sglang_args: list[str]) -> tuple[str | None, str | None]:
     return _flag_value(groups, "--api-key"), _flag_value(groups, "--admin-api-key")
 
 
+def embedded_engine_keys(engine_extra_args: str) -> tuple[str | None, str | None, str]:
+    """The embedded engines' ``(api_key, admin_api_key, engine_extra_args without them)``: keys
+    given in ``--engine-extra-args`` reach the engines through their environment instead (a
+    command line is readable by every local user)."""
+    groups = _flag_groups(shlex.split(engine_extra_args or ""))
+    api_key, admin_api_key = _flag_value(groups, "--api-key"), _flag_value(groups, "--admin-api-key")
+    rest = [tok for g in groups if _flag_name(g) not in ("--api-key", "--admin-api-key") for tok in g]
+    return api_key, admin_api_key, shlex.join(rest)
+
+
+def with_engine_admin_key(settings: RolloutSettings) -> RolloutSettings:
+    """Embedded engines started here get a random admin key when none was given, so that their
+    control routes (pause, weight updates, memory, abort) answer this run's clients only
+    (docs/security.md); the run's clients send it. Engines given by ``--engine-urls`` keep what
+    they were started with; SGLang servers take ``--sglang-admin-api-key``. Called by the entry
+    points (the launcher, ``python -m rollout_manager``) once, after the settings are built."""
+    e = settings.engines
+    if e.rollout_engine != "embedded" or e.engine_urls or e.admin_api_key:
+        return settings
+    return dataclasses.replace(settings, engines=dataclasses.replace(e, admin_api_key=secrets.token_urlsafe(24)))
+
+
 def _check_reserved(server: list[str], router: list[str]) -> None:
     for prefix, tokens, reserved in (("--sglang-", server, _RESERVED_SERVER_FLAGS),
                                      ("--sglang-router-", router, _RESERVED_ROUTER_FLAGS)):
@@ -330,10 +355,15 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
     a: dict[str, Any] = vars(args)
     data = DataSettings(**{k: a[k] for k in DataSettings.__dataclass_fields__})
     api_key, admin_api_key = sglang_api_keys(server_args)
-    passed = ("sglang_args", "router_args", "api_key", "admin_api_key", "weight_update_dirs", "weight_update_masters")
+    extra_args = args.engine_extra_args
+    if args.rollout_engine == "embedded":
+        api_key, admin_api_key, extra_args = embedded_engine_keys(extra_args)
+    passed = ("sglang_args", "router_args", "api_key", "admin_api_key", "weight_update_dirs", "weight_update_masters",
+              "engine_extra_args")
     engines = EngineFleetSettings(
         **{k: a[k] for k in EngineFleetSettings.__dataclass_fields__ if k not in passed},
-        sglang_args=server_args, router_args=router_args, api_key=api_key, admin_api_key=admin_api_key)
+        sglang_args=server_args, router_args=router_args, api_key=api_key, admin_api_key=admin_api_key,
+        engine_extra_args=extra_args)
     sampling = SamplingSettings(
         **{k: a[k] for k in SamplingSettings.__dataclass_fields__
            if k not in ("request_timeout", "max_request_retries", "max_dropped_ratio")},

@@ -121,7 +121,9 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                             device="cuda" if e.rollout_num_gpus else "cpu",
                             random_seed=settings.seed + index, num_threads=None if e.rollout_num_gpus else threads,
                             weight_update_dirs=",".join(e.weight_update_dirs),
-                            weight_update_masters=",".join(e.weight_update_masters))
+                            weight_update_masters=",".join(e.weight_update_masters),
+                            api_key=e.api_key, admin_api_key=e.admin_api_key)
+        env.update(es.key_env())
         cmd = [sys.executable, "-m", "rollout_manager.engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
 

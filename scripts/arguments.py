@@ -167,13 +167,14 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     checks; ``ValueError`` names the flags."""
     from buffer.arguments import settings_from_args as buffer_settings
     from rollout_manager.arguments import settings_from_args as rollout_settings
+    from rollout_manager.arguments import with_engine_admin_key
     from train_backend.arguments import group_settings_from_args
     from train_backend.arguments import settings_from_args as train_settings
     from train_backend.megatron.arguments import settings_from_args as megatron_settings
     from weight_sync.arguments import settings_from_args as sync_settings
 
     _place_colocated(args)  # its derived defaults (--rollout-num-gpus, placement) before the parts' checks
-    rollout = rollout_settings(args, args.sglang_args)
+    rollout = with_engine_admin_key(rollout_settings(args, args.sglang_args))
     buffer = buffer_settings(args)
     train, megatron = train_settings(args), megatron_settings(args)
     # trainer ranks vs. the backend's parallel layout

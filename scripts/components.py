@@ -358,7 +358,8 @@ class Run:
             self._producer.check()
             wait = min(_GET_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                return call_buffer(self.buffer, "get", self.settings.rollout.sampling.rollout_batch_size, timeout_s=wait, step=step)
+                return call_buffer(self.buffer, "get", self.settings.rollout.sampling.rollout_batch_size,
+                                   timeout_s=wait, step=step)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise

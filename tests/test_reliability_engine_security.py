@@ -90,3 +90,43 @@ def test_engine_weight_endpoints_refuse_foreign_masters_and_directories_and_time
     assert [e.status for e in refused] == [400] * 3 and all("model_path" in e.body for e in refused)
     assert "Hub ids are not loaded" in refused[1].body and "--weight-update-dirs" in refused[0].body
     assert ok_model["success"] and ok_allowed["success"]
+
+
+def test_run_started_embedded_engines_get_an_admin_key_through_their_environment(engine_model, tmp_path):  # noqa: F811
+    """Embedded engines a run starts answer control calls only with the run's admin key, which
+    is in their environment, not their command line; keys given in --engine-extra-args move there
+    too. Engines given by --engine-urls get none invented."""
+    from _fixtures_rollout import make_args
+
+    from rollout_manager.arguments import with_engine_admin_key
+    from rollout_manager.engine.launch import wait_healthy
+    from rollout_manager.engines import EnginePorts, engine_command
+
+    base = ["--hf-checkpoint", str(engine_model), "--prompt-data", "unused.jsonl"]
+    _, given = make_args(base + ["--engine-extra-args", "--api-key user-key --max-running-requests 4"])
+    s = with_engine_admin_key(given)
+    e = s.engines
+    assert (e.api_key, e.engine_extra_args) == ("user-key", "--max-running-requests 4")
+    assert e.admin_api_key and with_engine_admin_key(given).engines.admin_api_key != e.admin_api_key  # random
+    assert with_engine_admin_key(make_args(base + ["--engine-urls", "127.0.0.1:1"])[1]).engines.admin_api_key is None
+    cmd, env = engine_command(s, 0, EnginePorts(port=free_port()))
+    assert not any(k in " ".join(cmd) for k in ("user-key", e.admin_api_key))
+    url = "http://127.0.0.1:" + cmd[cmd.index("--port") + 1]
+    with open(tmp_path / "engine.log", "wb") as log:
+        proc = subprocess.Popen(cmd + ["--num-threads", "1"], env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, 120, proc)
+
+        async def calls(api_key, admin_api_key):
+            async with EngineClient(url, timeout=30, api_key=api_key, admin_api_key=admin_api_key) as c:
+                try:
+                    await c.pause_generation("in_place")
+                    await c.continue_generation()
+                    return "ok"
+                except EngineError as err:
+                    return err.status
+        assert run(calls("user-key", None)) == 401  # the user's key is not the admin key
+        assert run(calls("user-key", e.admin_api_key)) == "ok"
+    finally:
+        stop_process(proc)

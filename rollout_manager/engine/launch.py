@@ -49,6 +49,7 @@ def launch_engine_process(settings: EngineSettings, timeout_s: float = 300.0,
         os.close(fd)
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(settings.key_env())
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rollout_manager.engine", *settings.to_cli()],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=_REPO_ROOT)

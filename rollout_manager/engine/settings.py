@@ -11,6 +11,11 @@ import os
 from dataclasses import dataclass, field
 
 
+# The keys travel to an engine subprocess in its environment, never on its command line (which
+# any local user can read in ``ps``); the flags are SGLang's and still accepted.
+KEY_ENV = {"api_key": "RESERVOIR_ENGINE_API_KEY", "admin_api_key": "RESERVOIR_ENGINE_ADMIN_API_KEY"}
+
+
 @dataclass
 class EngineSettings:
     """How to run one embedded engine (see ``python -m rollout_manager.engine --help``)."""
@@ -69,14 +74,19 @@ class EngineSettings:
         return "float32" if self.device == "cpu" else "bfloat16"
 
     def to_cli(self) -> list[str]:
-        """The command-line flags that reproduce these settings (for the subprocess launcher)."""
+        """The command-line flags that reproduce these settings (for the subprocess launcher),
+        keys aside: :meth:`key_env` carries them."""
         out: list[str] = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "extra" or v is None or v == f.default:
+            if f.name == "extra" or f.name in KEY_ENV or v is None or v == f.default:
                 continue
             out += ["--" + f.name.replace("_", "-"), str(v)]
         return out
+
+    def key_env(self) -> dict[str, str]:
+        """The environment that gives an engine subprocess these settings' keys."""
+        return {env: getattr(self, name) for name, env in KEY_ENV.items() if getattr(self, name)}
 
 
 _HELP = {
@@ -97,6 +107,7 @@ _HELP = {
                           "--model-path (no Hub downloads)",
     "api_key": "SGLang's --api-key: requests need 'Authorization: Bearer KEY' (health probes excepted)",
     "admin_api_key": "SGLang's --admin-api-key: the control routes (pause, weight updates, memory) need this key",
+    # (both also read from $RESERVOIR_ENGINE_API_KEY / $RESERVOIR_ENGINE_ADMIN_API_KEY: see KEY_ENV)
     "native_forward": "auto: the engine's own forward for Llama/Qwen2/Qwen3/Mistral (else transformers'); "
                       "off: always transformers' modules",
 }
@@ -125,6 +136,9 @@ def parse_settings(argv: list[str] | None = None) -> EngineSettings:
     """Parse the command line into EngineSettings; a bad flag exits with a usage error naming it."""
     ap = build_parser()
     ns = ap.parse_args(argv)
+    for name, env in KEY_ENV.items():  # a flag wins over the environment
+        if getattr(ns, name) is None and os.environ.get(env):
+            setattr(ns, name, os.environ[env])
     try:
         return EngineSettings(**vars(ns))
     except ValueError as e:  # a usage error, not a crash: argparse prints it and exits with 2
