@@ -1,12 +1,15 @@
-"""The buffer's settings (flags in ``buffer/arguments.py``) and the filter plugin they name.
+"""The buffer's settings (each field declares its flag) and the filter plugin they name.
 
-Its own module, importing nothing of ours but the plugin loader, so the actor, its core and its store
-read the settings without importing ``buffer.interfaces`` (which starts the actor).
+Its own module, importing nothing of ours but the plugin loader and :mod:`flags`, so the actor,
+its core and its store read the settings without importing ``buffer.interfaces`` (which starts
+the actor).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from flags import flag
 
 STALE_POLICIES = ("drop", "return")
 FILTER_PARAMS = ["args", "rollout_id", "buffer", "num_samples"]
@@ -14,17 +17,25 @@ FILTER_PARAMS = ["args", "rollout_id", "buffer", "num_samples"]
 
 @dataclass
 class BufferSettings:
-    """Settings of the data buffer (flags in ``buffer/arguments.py``)."""
+    """Settings of the data buffer; each field declares its flag (``buffer/arguments.py``)."""
 
-    n_samples_per_prompt: int | None = None  # None: group size not checked
-    capacity: int = 1024  # in groups; put waits while full
-    put_timeout_s: float = 600.0  # then a TimeoutError naming the capacity and --buffer-capacity
-    max_weight_staleness: int | None = None  # K; None = unbounded; 0 = strictly on-policy
-    stale_policy: str = "drop"  # "drop" | "return" (returned groups await take_returned)
-    persist_dir: str | None = None  # --buffer-dir
-    filter_path: str | None = None  # --buffer-filter-path
-    fsync: bool = False  # fsync each put (survive machine crash, not only process crash)
-    get_timeout_s: float = 1800.0  # get(timeout_s=None) waits this long, then TimeoutError
+    n_samples_per_prompt: int | None = flag(None, declared_elsewhere=True)  # the rollout's; None: not checked
+    capacity: int = flag(1024, "groups the buffer holds; put waits while it is full (back-pressure)",
+                         name="--buffer-capacity", group="buffer")
+    put_timeout_s: float = flag(600.0, "seconds a put waits for room before failing", name="--buffer-put-timeout")
+    max_weight_staleness: int | None = flag(
+        None, "K: withhold groups whose oldest weight version is more than K behind the current one (0 = strictly "
+        "on-policy; unset = unbounded)")
+    stale_policy: str = flag("drop", "what happens to a group that broke the staleness bound: dropped, or returned "
+                             "to the rollout side for regeneration (take_returned)", choices=STALE_POLICIES)
+    persist_dir: str | None = flag(None, "persist the buffer here (Arrow files): acknowledged groups survive crashes",
+                                   name="--buffer-dir")
+    filter_path: str | None = flag(None, "pop(args, rollout_id, buffer, num_samples) -> groups: picks the groups a "
+                                   "get returns", name="--buffer-filter-path")
+    fsync: bool = flag(False, "fsync every put and log record (survive a machine crash, not only a process crash)",
+                       name="--buffer-fsync")
+    get_timeout_s: float = flag(1800.0, "seconds a get waits for enough eligible groups before failing",
+                                name="--buffer-get-timeout")
     segment_bytes: int = 64 << 20  # a segment file is closed (and later deletable) past this size
 
     def validate(self) -> None:

@@ -1,8 +1,9 @@
 """Command-line flags of the rollout manager (slime's names) and their validation.
 
 ``add_arguments`` adds the flags this part owns to a parser (the launcher composes every part's
-flags into one parser); defaults come from the settings dataclasses. ``settings_from_args``
-validates flag combinations (``ValueError`` naming the flags) and builds ``RolloutSettings``.
+flags into one parser); the settings dataclasses' fields declare them (:mod:`flags`).
+``settings_from_args`` validates flag combinations (``ValueError`` naming the flags) and builds
+``RolloutSettings``.
 
 SGLang server flags pass through as ``--sglang-<flag> [values]`` (e.g. ``--sglang-mem-fraction-static
 0.8``, ``--sglang-cuda-graph-bs-decode 1 2 4 8``): ``split_sglang_args`` pulls them out of ``argv``
@@ -17,12 +18,10 @@ import argparse
 import dataclasses
 import secrets
 import shlex
-from typing import Any
 
-from rollout_manager.settings import (REQUEST_GRANULARITIES, ROUTER_POLICIES, DataSettings, EngineFleetSettings, PluginSettings,
+from flags import add_flags, from_args
+from rollout_manager.settings import (REQUEST_GRANULARITIES, DataSettings, EngineFleetSettings, PluginSettings,
                                       RolloutSettings, SamplingSettings)
-
-D, E, S, P = DataSettings, EngineFleetSettings, SamplingSettings, PluginSettings
 
 # Flags of ours that start with --sglang- (everything else with that prefix is passed through).
 _OWN_SGLANG_FLAGS = ("--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency")
@@ -48,136 +47,10 @@ _RESERVED_ROUTER_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the rollout manager's flags (and the shared ones it owns) to ``parser``."""
-    g = parser.add_argument_group("rollout: data")
-    g.add_argument("--hf-checkpoint", default=RolloutSettings.hf_checkpoint,
-                   help="HF checkpoint the engines serve (and whose tokenizer encodes prompts)")
-    g.add_argument("--prompt-data", default=D.prompt_data, help="prompts: a .jsonl or .parquet file")
-    g.add_argument("--input-key", default=D.input_key)
-    g.add_argument("--label-key", default=D.label_key)
-    g.add_argument("--metadata-key", default=D.metadata_key)
-    g.add_argument("--apply-chat-template", action="store_true", default=D.apply_chat_template)
-    g.add_argument("--rollout-shuffle", action="store_true", default=D.rollout_shuffle)
-    g.add_argument("--rollout-seed", type=int, default=D.rollout_seed)
-    g.add_argument("--num-epoch", type=int, default=D.num_epoch, help="passes over the prompts (default: forever)")
-    g.add_argument("--rollout-max-prompt-len", type=int, default=D.rollout_max_prompt_len)
-    g.add_argument("--rollout-max-context-len", type=int, default=D.rollout_max_context_len,
-                   help="slime's prompt + response budget: plugins read it (args.rollout_max_context_len), and "
-                        "--rollout-max-prompt-len defaults to it minus one")
-    g.add_argument("--strict-data", action="store_true", default=D.strict_data,
-                   help="a malformed prompt line is an error (default: skip it and count it)")
-    g.add_argument("--seed", type=int, default=RolloutSettings.seed)
-
-    g = parser.add_argument_group("rollout: engines")
-    g.add_argument("--rollout-engine", choices=["embedded", "sglang", "instant"], default=E.rollout_engine,
-                   help="embedded (default), sglang (GPU), or instant (no model: benchmarks of the client path)")
-    g.add_argument("--rollout-num-engines", type=int, default=E.rollout_num_engines,
-                   help="engine count when no GPUs are used")
-    g.add_argument("--rollout-num-gpus", type=int, default=E.rollout_num_gpus)
-    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=E.rollout_num_gpus_per_engine)
-    g.add_argument("--rollout-engine-placement", choices=["auto", "local", "ray"], default=E.rollout_engine_placement,
-                   help="local subprocesses, or Ray placement groups (one bundle of GPUs per engine); "
-                        "auto: Ray when --rollout-num-gpus > 0")
-    g.add_argument("--engine-urls", nargs="+", default=list(E().engine_urls),
-                   help="running SGLang-compatible servers to use instead of starting engines")
-    g.add_argument("--engine-extra-args", default=E.engine_extra_args,
-                   help="extra flags for each embedded (or instant) engine, as one string")
-    g.add_argument("--sglang-router-ip", default=E.sglang_router_ip, help="a running sglang-router")
-    g.add_argument("--sglang-router-port", type=int, default=E.sglang_router_port)
-    # ROUTER_POLICIES: not power_of_two (see settings.py; tests/test_router.py starts each choice)
-    g.add_argument("--router-policy", default=E.router_policy, choices=list(ROUTER_POLICIES),
-                   help="load balancing of the sglang-router started here (cache_aware keeps a prompt's "
-                        "samples on one engine: good for SGLang's prefix cache, uneven on small batches)")
-    g.add_argument("--engine-startup-timeout", type=float, default=E.engine_startup_timeout)
-    g.add_argument("--health-check-interval", type=float, default=E.health_check_interval)
-    g.add_argument("--health-check-timeout", type=float, default=E.health_check_timeout,
-                   help="seconds an engine may take to answer /health (3 misses in a row: restarted)")
-    g.add_argument("--restart-dead-engines", action=argparse.BooleanOptionalAction, default=E.restart_dead_engines)
-
-    g = parser.add_argument_group("rollout: sampling")
-    g.add_argument("--n-samples-per-prompt", type=int, default=S.n_samples_per_prompt)
-    g.add_argument("--rollout-batch-size", type=int, default=S.rollout_batch_size, help="groups per rollout step")
-    g.add_argument("--over-sampling-batch-size", type=int, default=S.over_sampling_batch_size)
-    g.add_argument("--rollout-max-response-len", type=int, default=S.rollout_max_response_len)
-    g.add_argument("--rollout-temperature", type=float, default=S.rollout_temperature)
-    g.add_argument("--rollout-top-p", type=float, default=S.rollout_top_p)
-    g.add_argument("--rollout-top-k", type=int, default=S.rollout_top_k)
-    g.add_argument("--rollout-stop", nargs="+", default=list(S().rollout_stop))
-    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=list(S().rollout_stop_token_ids))
-    g.add_argument("--rollout-skip-special-tokens", action="store_true", default=S.rollout_skip_special_tokens)
-    g.add_argument("--sglang-server-concurrency", type=int, default=S.sglang_server_concurrency,
-                   help="in-flight requests per engine")
-    g.add_argument("--rollout-dispatch", choices=["router", "direct"], default=S.rollout_dispatch,
-                   help="router: every request through sglang-router; direct: the manager sends each to the "
-                        "least-loaded live engine (no router hop; retries go to another engine at once)")
-    g.add_argument("--rollout-request-granularity", choices=list(REQUEST_GRANULARITIES),
-                   default=S.rollout_request_granularity,
-                   help="group: the default rollout sends a prompt's unfinished samples as one batch /generate "
-                        "(n times fewer requests; samples whose sampling params differ go separately); sample: "
-                        "one request per sample. Custom generate functions are always called per sample")
-    g.add_argument("--rollout-request-timeout", type=float, default=S.request_timeout)
-    g.add_argument("--rollout-max-retries", type=int, default=S.max_request_retries)
-    g.add_argument("--dynamic-sampling-max-dropped-ratio", type=float, default=S.max_dropped_ratio,
-                   help="fail a step (instead of sampling forever) once the filter dropped this many times "
-                        "--rollout-batch-size groups")
-    g.add_argument("--partial-rollout", action="store_true", default=S.partial_rollout)
-    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
-                   default=S.mask_offpolicy_in_partial_rollout)
-    g.add_argument("--eval-prompt-data", default=S.eval_prompt_data)
-    g.add_argument("--eval-temperature", type=float, default=S.eval_temperature)
-    g.add_argument("--n-samples-per-eval-prompt", type=int, default=S.n_samples_per_eval_prompt)
-    g.add_argument("--eval-max-response-len", type=int, default=S.eval_max_response_len)
-    g.add_argument("--eval-max-context-len", type=int, default=S.eval_max_context_len,
-                   help="slime's context budget for evaluation, read by plugins (default: --rollout-max-context-len)")
-
-    g = parser.add_argument_group("rollout: plugins and rewards")
-    g.add_argument("--rollout-function-path", default=P.rollout_function_path)
-    g.add_argument("--custom-generate-function-path", default=P.custom_generate_function_path)
-    g.add_argument("--rm-type", default=P.rm_type, help="built-in reward: math, exact_match, toy_arithmetic, remote, "
-                   "and slime's deepscaler, dapo (with --reward-key score), f1, gpqa, random, remote_rm and the "
-                   "boxed_<type> prefix (plugins/rewards.py); ignored with --custom-rm-path, and with --rm-url "
-                   "unless it is remote or remote_rm")
-    g.add_argument("--rm-url", default=P.rm_url, help="remote reward model (POST {prompt, response, label})")
-    g.add_argument("--custom-rm-path", default=P.custom_rm_path)
-    g.add_argument("--group-rm", action="store_true", default=P.group_rm)
-    g.add_argument("--reward-key", default=P.reward_key)
-    g.add_argument("--dynamic-sampling-filter-path", default=P.dynamic_sampling_filter_path,
-                   help="filter(args, group) -> bool or slime's DynamicFilterOutput (keep, reason, "
-                        "keep_when_insufficient): whether a finished group is kept")
-
-    g.add_argument("--reward-timeout", type=float, default=P.reward_timeout,
-                   help="seconds one reward call may take (a sample's, or a group's with --group-rm); past it the "
-                        "sample(s) fail with 'reward: timeout', counted. Plain (non-async) reward functions run in "
-                        "a thread, so a blocking one does not stall the rollout")
-    g.add_argument("--custom-generate-timeout", type=float, default=P.custom_generate_timeout,
-                   help="seconds one --custom-generate-function-path call may take; past it the sample fails "
-                        "with 'generate: timeout', counted")
-    g.add_argument("--filter-timeout", type=float, default=P.filter_timeout,
-                   help="seconds one call of --dynamic-sampling-filter-path, --rollout-sample-filter-path or "
-                        "--rollout-all-samples-process-path may take (they run in a thread); past it the group is "
-                        "dropped (or the hook skipped), counted as 'filter: timeout'")
-
-    g = parser.add_argument_group("rollout: slime's other hooks (docs/slime.md)")
-    g.add_argument("--data-source-path", default=P.data_source_path,
-                   help="a data source class, built as cls(args), with get_samples(n) / add_samples(groups) (e.g. a "
-                        "subclass of slime.rollout.data_source.RolloutDataSourceWithBuffer); default: Reservoir's")
-    g.add_argument("--eval-function-path", default=P.eval_function_path,
-                   help="the rollout function for evaluation (default: --rollout-function-path)")
-    g.add_argument("--rollout-sample-filter-path", default=P.rollout_sample_filter_path,
-                   help="fn(args, groups) called on each training step's kept groups (default rollout); samples it "
-                        "marks remove_sample=True stay in the batch with a zero loss mask")
-    g.add_argument("--rollout-all-samples-process-path", default=P.rollout_all_samples_process_path,
-                   help="fn(args, groups, get_samples) called on every finished group of a training step, kept "
-                        "or filtered out (default rollout)")
-    g.add_argument("--rollout-sample-hook-path", action="append", default=[],
-                   help="hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None on each generated "
-                        "sample before its reward, sync or async; repeat the flag for several (run in order)")
-    g.add_argument("--custom-rollout-log-function-path", default=P.custom_rollout_log_function_path,
-                   help="fn(rollout_id, args, samples, extra_metrics, seconds) -> bool after each rollout step; "
-                        "True: skip Reservoir's rollout metrics for that step")
-    g.add_argument("--custom-eval-rollout-log-function-path", default=P.custom_eval_rollout_log_function_path,
-                   help="fn(rollout_id, args, data, extra_metrics) -> bool after each evaluation; True: skip "
-                        "Reservoir's eval metrics")
+    """Add the rollout manager's flags (and the shared ones it owns) to ``parser``: the settings
+    dataclasses' fields declare them."""
+    for cls in (RolloutSettings, DataSettings, EngineFleetSettings, SamplingSettings, PluginSettings):
+        add_flags(parser, cls)
 
 
 def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -352,23 +225,13 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
     if router_args and args.sglang_router_ip is not None:
         raise ValueError(f"--sglang-router-* flags {router_args} configure the router started here; with "
                          "--sglang-router-ip a running router is used (configure that one)")
-    a: dict[str, Any] = vars(args)
-    data = DataSettings(**{k: a[k] for k in DataSettings.__dataclass_fields__})
+    data = from_args(DataSettings, args)
     api_key, admin_api_key = sglang_api_keys(server_args)
     extra_args = args.engine_extra_args
     if args.rollout_engine == "embedded":
         api_key, admin_api_key, extra_args = embedded_engine_keys(extra_args)
-    passed = ("sglang_args", "router_args", "api_key", "admin_api_key", "weight_update_dirs", "weight_update_masters",
-              "engine_extra_args")
-    engines = EngineFleetSettings(
-        **{k: a[k] for k in EngineFleetSettings.__dataclass_fields__ if k not in passed},
-        sglang_args=server_args, router_args=router_args, api_key=api_key, admin_api_key=admin_api_key,
-        engine_extra_args=extra_args)
-    sampling = SamplingSettings(
-        **{k: a[k] for k in SamplingSettings.__dataclass_fields__
-           if k not in ("request_timeout", "max_request_retries", "max_dropped_ratio")},
-        request_timeout=args.rollout_request_timeout, max_request_retries=args.rollout_max_retries,
-        max_dropped_ratio=args.dynamic_sampling_max_dropped_ratio)
-    plugins = PluginSettings(**{k: a[k] for k in PluginSettings.__dataclass_fields__})
-    return RolloutSettings(hf_checkpoint=args.hf_checkpoint, data=data, engines=engines, sampling=sampling,
-                           plugins=plugins, seed=args.seed)
+    engines = from_args(EngineFleetSettings, args, sglang_args=server_args, router_args=router_args, api_key=api_key,
+                        admin_api_key=admin_api_key, engine_extra_args=extra_args)
+    sampling = from_args(SamplingSettings, args)
+    plugins = from_args(PluginSettings, args)
+    return from_args(RolloutSettings, args, data=data, engines=engines, sampling=sampling, plugins=plugins)

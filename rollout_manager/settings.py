@@ -1,30 +1,35 @@
-"""Typed settings of the rollout manager (every default lives here, once).
+"""Typed settings of the rollout manager: each field declares its flag (:mod:`flags`: default,
+help, choices in one place).
 
-``arguments.py`` builds the command-line flags from these field defaults and turns a parsed
-namespace into a ``RolloutSettings``. Components take the settings; only plugins see the
-argparse namespace (slime's plugin contract).
+``arguments.py`` makes the command-line flags from these fields and turns a parsed namespace into a
+``RolloutSettings`` (with the cross-flag checks). Components take the settings; only plugins see
+the argparse namespace (slime's plugin contract).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flags import flag
+
 
 @dataclass
 class DataSettings:
     """Where prompts come from and how they become token ids."""
 
-    prompt_data: str | None = None  # jsonl or parquet file
-    input_key: str = "prompt"
-    label_key: str | None = "label"
-    metadata_key: str | None = "metadata"
-    apply_chat_template: bool = False
-    rollout_shuffle: bool = False
-    rollout_seed: int = 42
-    num_epoch: int | None = None  # None: cycle through epochs forever
-    rollout_max_prompt_len: int | None = None  # prompts longer (in tokens) are skipped
-    rollout_max_context_len: int | None = None  # slime's: prompt + response budget (caps the prompt at this - 1)
-    strict_data: bool = False  # a bad line is an error instead of being skipped
+    prompt_data: str | None = flag(None, "prompts: a .jsonl or .parquet file", group="rollout: data")
+    input_key: str = flag("prompt")
+    label_key: str | None = flag("label")
+    metadata_key: str | None = flag("metadata")
+    apply_chat_template: bool = flag(False)
+    rollout_shuffle: bool = flag(False)
+    rollout_seed: int = flag(42)
+    num_epoch: int | None = flag(None, "passes over the prompts (default: forever)")
+    rollout_max_prompt_len: int | None = flag(None, "prompts longer (in tokens) are skipped")
+    rollout_max_context_len: int | None = flag(
+        None, "slime's prompt + response budget: plugins read it (args.rollout_max_context_len), and "
+        "--rollout-max-prompt-len defaults to it minus one")
+    strict_data: bool = flag(False, "a malformed prompt line is an error (default: skip it and count it)")
 
 
 # sglang-router policies a router started by the manager can use. Not power_of_two: sglang-router
@@ -37,19 +42,32 @@ ROUTER_POLICIES = ("random", "round_robin", "cache_aware")
 class EngineFleetSettings:
     """Which engines serve generation and how they are reached."""
 
-    rollout_engine: str = "embedded"  # "embedded", "sglang" or "instant" (no model, benchmarks)
-    rollout_num_engines: int = 1  # engine count when no GPUs are used
-    rollout_num_gpus: int = 0  # total GPUs for engines (sglang); 0 = CPU
-    rollout_num_gpus_per_engine: int = 1
-    rollout_engine_placement: str = "auto"  # "local" subprocesses, "ray" placement groups, auto: ray on GPUs
-    engine_urls: list[str] = field(default_factory=list)  # running servers: start none
-    sglang_router_ip: str | None = None  # a running router: start none
-    sglang_router_port: int | None = None
-    router_policy: str = "round_robin"  # sglang-router --policy for a router started here (ROUTER_POLICIES)
+    rollout_engine: str = flag("embedded", "embedded (default), sglang (GPU), or instant (no model: benchmarks of "
+                               "the client path)", choices=("embedded", "sglang", "instant"), group="rollout: engines")
+    rollout_num_engines: int = flag(1, "engine count when no GPUs are used")
+    rollout_num_gpus: int = flag(0, "total GPUs for engines (sglang); 0 = CPU")
+    rollout_num_gpus_per_engine: int = flag(1)
+    rollout_engine_placement: str = flag("auto", "local subprocesses, or Ray placement groups (one bundle of GPUs per "
+                                         "engine); auto: Ray when --rollout-num-gpus > 0",
+                                         choices=("auto", "local", "ray"))
+    engine_urls: list[str] = flag(help="running SGLang-compatible servers to use instead of starting engines",
+                                  default_factory=list)
+    engine_extra_args: str = flag("", "extra flags for each embedded (or instant) engine, as one string (its "
+                                  "--api-key / --admin-api-key reach the engines through their environment)")
+    sglang_router_ip: str | None = flag(None, "a running sglang-router (start none)")
+    sglang_router_port: int | None = flag(None)
+    router_policy: str = flag("round_robin", "load balancing of the sglang-router started here (cache_aware keeps a "
+                              "prompt's samples on one engine: good for SGLang's prefix cache, uneven on small "
+                              "batches)", choices=ROUTER_POLICIES)
+    engine_startup_timeout: float = flag(300.0, "seconds for an engine to become healthy")
+    health_check_interval: float = flag(2.0, "seconds between engine health checks")
+    health_check_timeout: float = flag(10.0, "seconds an engine may take to answer /health (3 misses in a row: "
+                                       "restarted)")
+    restart_dead_engines: bool = flag(True)
     sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as SGLang server CLI tokens
     router_args: list[str] = field(default_factory=list)  # --sglang-router-* pass-through, as sglang-router tokens
     # The servers' --api-key / --admin-api-key (from --sglang-api-key / --sglang-admin-api-key, or
-    # those of --engine-urls servers): every client of the engines sends them
+    # --engine-extra-args, or generated: arguments.with_engine_admin_key): every client of the engines sends them
     api_key: str | None = None
     admin_api_key: str | None = None
     # Filled by the launcher, no flags of their own: directories the embedded engines may load
@@ -57,11 +75,6 @@ class EngineFleetSettings:
     # non-loopback trainer addresses they may join for weight updates (--update-weight-master-address)
     weight_update_dirs: list[str] = field(default_factory=list)
     weight_update_masters: list[str] = field(default_factory=list)
-    engine_extra_args: str = ""  # extra flags for embedded/instant engines, e.g. "--max-running-requests 64"
-    engine_startup_timeout: float = 300.0  # seconds for an engine to become healthy
-    health_check_interval: float = 2.0  # seconds between engine health checks
-    health_check_timeout: float = 10.0  # a busy engine may answer /health late; 3 misses in a row = hung
-    restart_dead_engines: bool = True
 
 
 # How the default rollout sends its requests (--rollout-request-granularity): "group" sends a
@@ -74,64 +87,99 @@ REQUEST_GRANULARITIES = ("group", "sample")
 class SamplingSettings:
     """Generation settings of training rollouts and of evaluation."""
 
-    n_samples_per_prompt: int = 1
-    rollout_batch_size: int = 8  # groups kept per rollout step
-    over_sampling_batch_size: int | None = None  # prompts started per refill (None: rollout_batch_size)
-    rollout_max_response_len: int = 64
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = -1
-    rollout_stop: list[str] = field(default_factory=list)
-    rollout_stop_token_ids: list[int] = field(default_factory=list)
-    rollout_skip_special_tokens: bool = False
-    sglang_server_concurrency: int = 512  # in-flight requests per engine
-    rollout_dispatch: str = "router"  # "router" or "direct" (least-loaded engine, no router hop)
-    rollout_request_granularity: str = "group"  # REQUEST_GRANULARITIES
-    request_timeout: float = 600.0  # seconds for one /generate call
-    max_request_retries: int = 5  # retries of one request after engine errors
-    max_dropped_ratio: float = 20.0  # a step fails after dropping this many x rollout_batch_size groups
-    partial_rollout: bool = False
-    mask_offpolicy_in_partial_rollout: bool = False
-    eval_prompt_data: str | None = None
-    eval_temperature: float = 0.0  # 0 = greedy
-    n_samples_per_eval_prompt: int = 1
-    eval_max_response_len: int | None = None  # None: rollout_max_response_len
-    eval_max_context_len: int | None = None  # slime's (plugins read it); None: rollout_max_context_len
+    n_samples_per_prompt: int = flag(1, group="rollout: sampling")
+    rollout_batch_size: int = flag(8, "groups per rollout step")
+    over_sampling_batch_size: int | None = flag(None, "prompts started per refill (default: --rollout-batch-size)")
+    rollout_max_response_len: int = flag(64)
+    rollout_temperature: float = flag(1.0)
+    rollout_top_p: float = flag(1.0)
+    rollout_top_k: int = flag(-1)
+    rollout_stop: list[str] = flag(default_factory=list)
+    rollout_stop_token_ids: list[int] = flag(default_factory=list)
+    rollout_skip_special_tokens: bool = flag(False)
+    sglang_server_concurrency: int = flag(512, "in-flight requests per engine")
+    rollout_dispatch: str = flag("router", "router: every request through sglang-router; direct: the manager sends "
+                                 "each to the least-loaded live engine (no router hop; retries go to another engine "
+                                 "at once)", choices=("router", "direct"))
+    rollout_request_granularity: str = flag(
+        "group", "group: the default rollout sends a prompt's unfinished samples as one batch /generate (n times "
+        "fewer requests; samples whose sampling params differ go separately); sample: one request per sample. "
+        "Custom generate functions are always called per sample", choices=REQUEST_GRANULARITIES)
+    request_timeout: float = flag(600.0, "seconds for one /generate call", name="--rollout-request-timeout")
+    max_request_retries: int = flag(5, "retries of one request after engine errors", name="--rollout-max-retries")
+    max_dropped_ratio: float = flag(20.0, "fail a step (instead of sampling forever) once the filter dropped this "
+                                    "many times --rollout-batch-size groups",
+                                    name="--dynamic-sampling-max-dropped-ratio")
+    partial_rollout: bool = flag(False)
+    mask_offpolicy_in_partial_rollout: bool = flag(False)
+    eval_prompt_data: str | None = flag(None)
+    eval_temperature: float = flag(0.0, "0 = greedy")
+    n_samples_per_eval_prompt: int = flag(1)
+    eval_max_response_len: int | None = flag(None, "default: --rollout-max-response-len")
+    eval_max_context_len: int | None = flag(None, "slime's context budget for evaluation, read by plugins (default: "
+                                            "--rollout-max-context-len)")
 
 
 @dataclass
 class PluginSettings:
     """Import paths of the plugins and the reward choice."""
 
-    rollout_function_path: str = "rollout_manager.rollout.generate_rollout"
-    custom_generate_function_path: str | None = None
-    rm_type: str = "math"  # built-in reward (plugins.rewards.BUILTIN_RMS)
-    rm_url: str | None = None  # remote reward model (overrides rm_type)
-    custom_rm_path: str | None = None  # overrides rm_type
-    group_rm: bool = False
-    reward_key: str | None = None
-    dynamic_sampling_filter_path: str | None = None
-    # slime's other rollout-side hooks (docs/slime.md has each one's call site)
-    data_source_path: str | None = None  # a class built as cls(args); None: Reservoir's data source
-    eval_function_path: str | None = None  # the rollout function for evaluation; None: rollout_function_path
-    rollout_sample_filter_path: str | None = None  # fn(args, kept_groups): sets Sample.remove_sample
-    rollout_all_samples_process_path: str | None = None  # fn(args, all_finished_groups, get_samples)
-    custom_rollout_log_function_path: str | None = None  # fn(rollout_id, args, samples, metrics, seconds) -> bool
-    custom_eval_rollout_log_function_path: str | None = None  # fn(rollout_id, args, data, metrics) -> bool
-    rollout_sample_hook_path: list[str] = field(default_factory=list)  # hook(args, sample, ...) after generate
+    rollout_function_path: str = flag("rollout_manager.rollout.generate_rollout", group="rollout: plugins and rewards")
+    custom_generate_function_path: str | None = flag(None)
+    rm_type: str = flag("math", "built-in reward: math, exact_match, toy_arithmetic, remote, and slime's deepscaler, "
+                        "dapo (with --reward-key score), f1, gpqa, random, remote_rm and the boxed_<type> prefix "
+                        "(plugins/rewards.py); ignored with --custom-rm-path, and with --rm-url unless it is remote "
+                        "or remote_rm")
+    rm_url: str | None = flag(None, "remote reward model (POST {prompt, response, label})")
+    custom_rm_path: str | None = flag(None)
+    group_rm: bool = flag(False)
+    reward_key: str | None = flag(None)
+    dynamic_sampling_filter_path: str | None = flag(None, "filter(args, group) -> bool or slime's DynamicFilterOutput "
+                                                    "(keep, reason, keep_when_insufficient): whether a finished "
+                                                    "group is kept")
     # Bounds on one plugin call (seconds); a call past its bound fails its sample or group, counted
-    reward_timeout: float = 120.0  # one reward call (a sample's, or a group's with --group-rm)
-    custom_generate_timeout: float = 3600.0  # one custom generate call (it may run many turns)
-    filter_timeout: float = 120.0  # one call of a filter or a step hook (the three *-filter/process paths)
+    reward_timeout: float = flag(120.0, "seconds one reward call may take (a sample's, or a group's with --group-rm); "
+                                 "past it the sample(s) fail with 'reward: timeout', counted. Plain (non-async) "
+                                 "reward functions run in a thread, so a blocking one does not stall the rollout")
+    custom_generate_timeout: float = flag(3600.0, "seconds one --custom-generate-function-path call may take; past it "
+                                          "the sample fails with 'generate: timeout', counted")
+    filter_timeout: float = flag(120.0, "seconds one call of --dynamic-sampling-filter-path, "
+                                 "--rollout-sample-filter-path or --rollout-all-samples-process-path may take (they "
+                                 "run in a thread); past it the group is dropped (or the hook skipped), counted as "
+                                 "'filter: timeout'")
+    # slime's other rollout-side hooks (docs/slime.md has each one's call site)
+    data_source_path: str | None = flag(None, "a data source class, built as cls(args), with get_samples(n) / "
+                                        "add_samples(groups) (e.g. a subclass of "
+                                        "slime.rollout.data_source.RolloutDataSourceWithBuffer); default: Reservoir's",
+                                        group="rollout: slime's other hooks (docs/slime.md)")
+    eval_function_path: str | None = flag(None, "the rollout function for evaluation (default: "
+                                          "--rollout-function-path)")
+    rollout_sample_filter_path: str | None = flag(None, "fn(args, groups) called on each training step's kept groups "
+                                                  "(default rollout); samples it marks remove_sample=True stay in "
+                                                  "the batch with a zero loss mask")
+    rollout_all_samples_process_path: str | None = flag(None, "fn(args, groups, get_samples) called on every "
+                                                        "finished group of a training step, kept or filtered out "
+                                                        "(default rollout)")
+    rollout_sample_hook_path: list[str] = flag(help="hook(args, sample, *, rollout_id=None, evaluation=False) -> "
+                                               "Sample | None on each generated sample before its reward, sync or "
+                                               "async; repeat the flag for several (run in order)",
+                                               action="append", default_factory=list)
+    custom_rollout_log_function_path: str | None = flag(None, "fn(rollout_id, args, samples, extra_metrics, seconds) "
+                                                        "-> bool after each rollout step; True: skip Reservoir's "
+                                                        "rollout metrics for that step")
+    custom_eval_rollout_log_function_path: str | None = flag(None, "fn(rollout_id, args, data, extra_metrics) -> bool "
+                                                             "after each evaluation; True: skip Reservoir's eval "
+                                                             "metrics")
 
 
 @dataclass
 class RolloutSettings:
     """Everything the rollout manager needs; built by ``arguments.settings_from_args``."""
 
-    hf_checkpoint: str | None = None
+    hf_checkpoint: str | None = flag(None, "HF checkpoint the engines serve (and whose tokenizer encodes prompts)",
+                                     group="rollout: data")
     data: DataSettings = field(default_factory=DataSettings)
     engines: EngineFleetSettings = field(default_factory=EngineFleetSettings)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     plugins: PluginSettings = field(default_factory=PluginSettings)
-    seed: int = 1234
+    seed: int = flag(1234, group="rollout: data")

@@ -18,36 +18,47 @@ from pathlib import Path
 from typing import Any
 
 from config import load_config_defaults
+from flags import add_flags, flag, from_args
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LauncherSettings:
-    """The driver's own settings (the loop, checkpoints, logging, debug modes)."""
+    """The driver's own settings (the loop, checkpoints, logging, debug modes); each field declares
+    its flag (:mod:`flags`)."""
 
-    output_dir: str = "runs/latest"
-    ray_address: str | None = None
-    num_rollout: int = 10
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    eval_interval: int | None = None
-    skip_eval_before_train: bool = False
-    debug_rollout_only: bool = False
-    debug_train_only: bool = False
-    save_debug_rollout_data: str | None = None
-    load_debug_rollout_data: str | None = None
-    use_tensorboard: bool = False
-    use_wandb: bool = False
-    wandb_project: str | None = None
-    wandb_group: str | None = None
-    wandb_key: str | None = None
-    buffer_name: str = "reservoir-buffer"
-    colocate: bool = False
-    no_plots: bool = False
-    build_toy_model: bool = False
-    toy_warmup_steps: int = 60
+    output_dir: str = flag("runs/latest", "metrics.jsonl, TensorBoard events, plots", group="launcher")
+    ray_address: str | None = flag(None, "join this Ray cluster (default: start a local one)")
+    num_rollout: int = flag(10, "training steps (one rollout batch each)")
+    save: str | None = flag(None, "checkpoint directory")
+    load: str | None = flag(None, "resume from this checkpoint directory")
+    save_interval: int | None = flag(None, "steps between checkpoints")
+    eval_interval: int | None = flag(None, "steps between evaluations")
+    skip_eval_before_train: bool = flag(False)
+    debug_rollout_only: bool = flag(False, "generate and score only; no trainer")
+    debug_train_only: bool = flag(False, "train on --load-debug-rollout-data; no engines")
+    save_debug_rollout_data: str | None = flag(None, "write each rollout batch to this path pattern, e.g. "
+                                               "dumps/rollout_{rollout_id}.parquet")
+    load_debug_rollout_data: str | None = flag(None, "read rollout batches from this path pattern instead of "
+                                               "generating")
+    use_tensorboard: bool = flag(False)
+    use_wandb: bool = flag(False)
+    wandb_project: str | None = flag(None)
+    wandb_group: str | None = flag(None, "wandb run group (slime's flag)")
+    wandb_key: str | None = flag(None, "wandb API key to log in with (slime's flag; default: wandb's stored login or "
+                                 "WANDB_API_KEY)")
+    buffer_name: str = flag("reservoir-buffer", "name of the buffer actor")
+    colocate: bool = flag(False, "trainer ranks and engines share the GPUs (trainer rank i and engine i on GPU i of "
+                          "this node; --rollout-num-gpus defaults to the trainer's GPUs): weights go as CUDA IPC "
+                          "handles (--update-weight-transport auto -> tensor) and the engines release their KV "
+                          "cache while the trainer trains. On the CPU: the same host, weights through shared memory")
+    no_plots: bool = flag(False, "skip the PNG plots at the end")
+    build_toy_model: bool = flag(False, "build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is "
+                                 "missing; from a --config file only at examples/toy/model (a mistyped "
+                                 "--hf-checkpoint is an error, not a new model)",
+                                 action=argparse.BooleanOptionalAction)
+    toy_warmup_steps: int = flag(60, "supervised warm-up steps when --build-toy-model builds it")
 
 
 def _part_modules():
@@ -66,43 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False,  # --num-roll must not pass for --num-rollout
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file of flag defaults (the command line overrides it)")
-    d = LauncherSettings
-    g = p.add_argument_group("launcher")
-    g.add_argument("--output-dir", default=d.output_dir, help="metrics.jsonl, TensorBoard events, plots")
-    g.add_argument("--ray-address", default=d.ray_address, help="join this Ray cluster (default: start a local one)")
-    g.add_argument("--num-rollout", type=int, default=d.num_rollout, help="training steps (one rollout batch each)")
-    g.add_argument("--save", default=d.save, help="checkpoint directory")
-    g.add_argument("--load", default=d.load, help="resume from this checkpoint directory")
-    g.add_argument("--save-interval", type=int, default=d.save_interval, help="steps between checkpoints")
-    g.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between evaluations")
-    g.add_argument("--skip-eval-before-train", action="store_true", default=d.skip_eval_before_train)
-    g.add_argument("--debug-rollout-only", action="store_true", default=d.debug_rollout_only,
-                   help="generate and score only; no trainer")
-    g.add_argument("--debug-train-only", action="store_true", default=d.debug_train_only,
-                   help="train on --load-debug-rollout-data; no engines")
-    g.add_argument("--save-debug-rollout-data", default=d.save_debug_rollout_data,
-                   help="write each rollout batch to this path pattern, e.g. dumps/rollout_{rollout_id}.parquet")
-    g.add_argument("--load-debug-rollout-data", default=d.load_debug_rollout_data,
-                   help="read rollout batches from this path pattern instead of generating")
-    g.add_argument("--use-tensorboard", action="store_true", default=d.use_tensorboard)
-    g.add_argument("--use-wandb", action="store_true", default=d.use_wandb)
-    g.add_argument("--wandb-project", default=d.wandb_project)
-    g.add_argument("--wandb-group", default=d.wandb_group, help="wandb run group (slime's flag)")
-    g.add_argument("--wandb-key", default=d.wandb_key,
-                   help="wandb API key to log in with (slime's flag; default: wandb's stored login or WANDB_API_KEY)")
-    g.add_argument("--buffer-name", default=d.buffer_name, help="name of the buffer actor")
-    g.add_argument("--colocate", action="store_true", default=d.colocate,
-                   help="trainer ranks and engines share the GPUs (trainer rank i and engine i on GPU i of this "
-                        "node; --rollout-num-gpus defaults to the trainer's GPUs): weights go as CUDA IPC handles "
-                        "(--update-weight-transport auto -> tensor) and the engines release their KV cache while "
-                        "the trainer trains. On the CPU: the same host, weights through shared memory")
-    g.add_argument("--no-plots", action="store_true", default=d.no_plots, help="skip the PNG plots at the end")
-    g.add_argument("--build-toy-model", action=argparse.BooleanOptionalAction, default=d.build_toy_model,
-                   help="build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is missing; "
-                        "from a --config file only at examples/toy/model (a mistyped --hf-checkpoint is an error, "
-                        "not a new model)")
-    g.add_argument("--toy-warmup-steps", type=int, default=d.toy_warmup_steps,
-                   help="supervised warm-up steps when --build-toy-model builds it")
+    add_flags(p, LauncherSettings)
     for module in _part_modules():
         module.add_arguments(p)
     return p
@@ -159,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launcher_settings_from_args(args: argparse.Namespace) -> LauncherSettings:
-    return LauncherSettings(**{f: getattr(args, f) for f in LauncherSettings.__dataclass_fields__})
+    return from_args(LauncherSettings, args)
 
 
 def build_settings(args: argparse.Namespace) -> RunSettings:

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Each package's layer: a package may import its own modules and those of a strictly lower layer.
 LAYERS = {
+    "flags": 0,  # one declaration per flag (settings fields -> argparse): imports nothing of ours
     "sglang_protocol": 0,  # SGLang's protocol, ports, JSON: imports nothing of ours
     "plugins": 0,  # the plugin loader and the built-in plugins (rewards, filters)
     "buffer": 1,  # samples, the buffer actor; calls its filter plugin through plugins.loader

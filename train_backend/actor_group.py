@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flags import flag
 from train_backend.interfaces import TrainSettings, create_backend
 
 if TYPE_CHECKING:
@@ -60,10 +61,11 @@ class TrainerGroupSettings:
     ``--actor-num-nodes``, ``--actor-num-gpus-per-node``). On the CPU the product is the number
     of CPU ranks (gloo)."""
 
-    actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 1
-    colocate: bool = False  # --colocate: rank i on GPU i of this node, beside engine i (module docstring)
-    offload_train: bool | None = None  # --offload-train; None: on when colocated on GPUs (slime's default)
+    actor_num_nodes: int = flag(1, "nodes of trainer ranks")
+    actor_num_gpus_per_node: int = flag(1, "trainer ranks per node (one GPU each; on the CPU: CPU ranks over gloo)")
+    colocate: bool = False  # the launcher's --colocate: rank i on GPU i of this node, beside engine i (module doc)
+    offload_train: bool | None = flag(None, "keep the optimizer state (and fp32 master weights) in pinned host memory "
+                                      "while the engines generate (default: on with --colocate on GPUs)")
 
     def offloads(self, train: TrainSettings) -> bool:
         """Whether the ranks keep their optimizer state on the host while the engines generate."""

@@ -1,14 +1,17 @@
-"""The train backend's settings: every field with its default, its checks, and the choices of each
-enumerated flag (flags in ``train_backend/arguments.py``).
+"""The train backend's settings: every field with its flag (default, help, choices), its checks,
+and the choices of each enumerated flag (``train_backend/arguments.py`` makes the parser from them).
 
-Its own module, importing nothing of ours, so the backends, the losses and the hooks read it without
-importing the factory in ``train_backend.interfaces`` (which imports the backends).
+Its own module, importing nothing of ours but :mod:`flags`, so the backends, the losses and the
+hooks read it without importing the factory in ``train_backend.interfaces`` (which imports the
+backends).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from flags import flag
 
 BACKENDS = ("torch", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo")
@@ -19,93 +22,100 @@ LOSS_TYPES = ("policy_loss", "custom_loss")  # custom_loss: --custom-loss-functi
 OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer; adam is AdamW (decoupled weight decay)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-# slime's trainer-side plugin flags (dest names) -> what each is called with; train_backend/hooks.py
-HOOK_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
-              "custom_pg_loss_reducer_function_path", "custom_model_provider_path", "custom_megatron_init_path",
-              "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
-              "custom_reward_post_process_path", "custom_convert_samples_to_train_data_path",
-              "rollout_data_postprocess_path")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
 
 
+G_OPT = "train: backend and optimizer"
+G_LOSS = "train: RL loss"
+G_HOOKS = "train: slime's trainer-side plugins (train_backend/hooks.py says where each is called and with what)"
+_HOOK_HELP = "import path of the function"
+
+
 @dataclass
 class TrainSettings:
-    """Everything a train backend needs. Field defaults are the flag defaults (one place).
-
-    The flag of each field is ``--`` + the field name with ``-`` for ``_`` (slime's names), except
-    ``backend`` (``--train-backend``), ``tis_cap`` (``--tis-clip``), ``lr_warmup_steps`` /
-    ``lr_decay_steps`` (Megatron's ``--lr-warmup-iters`` / ``--lr-decay-iters``), ``device`` and
-    ``dtype`` (``--train-device``, ``--train-dtype``), ``kl_coef`` (slime's ``--kl-loss-coef``) and
-    ``reward_kl_coef`` (slime's ``--kl-coef``). ``plugin_args`` is the namespace slime plugins get as
-    ``args`` (the run's flags as a dict), set by the launcher.
+    """Everything a train backend needs. Each field declares its flag (:func:`flags.flag`: slime's
+    names; default, help and choices in one place). ``hf_checkpoint``, ``rollout_temperature``,
+    ``reward_key`` and ``seed`` are flags the rollout side declares; ``plugin_args`` is the
+    namespace slime plugins get as ``args`` (the run's flags as a dict), set by the launcher.
     """
 
-    hf_checkpoint: str
-    backend: str = "torch"
+    hf_checkpoint: str = flag(declared_elsewhere=True)
+    backend: str = flag("torch", name="--train-backend", choices=BACKENDS, group=G_OPT)
     # optimizer and schedule (optimizer steps, not rollouts)
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_steps: int | None = None  # needed by linear/cosine: steps from 0 to reach min_lr
-    optimizer: str = "adam"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = flag(1e-6)
+    min_lr: float = flag(0.0)
+    lr_warmup_steps: int = flag(0, "optimizer steps of linear warm-up", name="--lr-warmup-iters")
+    lr_decay_style: str = flag("constant", choices=LR_DECAY_STYLES)
+    lr_decay_steps: int | None = flag(None, "optimizer steps to decay to --min-lr (linear/cosine)",
+                                      name="--lr-decay-iters")
+    optimizer: str = flag("adam", "adam: AdamW (decoupled weight decay, Megatron's adam); sgd: SGD with momentum "
+                          "0.9 (Megatron's default --sgd-momentum)", choices=OPTIMIZERS)
+    weight_decay: float = flag(0.0)
+    adam_beta1: float = flag(0.9)
+    adam_beta2: float = flag(0.98)
+    adam_eps: float = flag(1e-8)
+    clip_grad: float = flag(1.0, "max grad norm (0 = no clipping)")
     # batching
-    global_batch_size: int | None = None  # samples per optimizer step; None = the whole rollout batch
-    max_tokens_per_micro_batch: int = 8192
+    global_batch_size: int | None = flag(None, "samples per optimizer step (default: the whole rollout batch, one "
+                                         "step per rollout)")
+    max_tokens_per_micro_batch: int = flag(
+        8192, "token budget of one packed micro-batch (per data-parallel rank); --max-tokens-per-gpu is slime's "
+        "name (the same budget: no context parallelism here)", aliases=("--max-tokens-per-gpu",))
     # activation recomputation (Megatron's flags; the torch backend checkpoints every layer for "full")
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
+    recompute_granularity: str | None = flag(
+        None, "activation recomputation (Megatron's); the torch backend supports full (HF gradient checkpointing of "
+        "every layer, i.e. --recompute-method uniform --recompute-num-layers 1)", choices=RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = flag(None, choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = flag(None)
     # advantages and policy loss
-    advantage_estimator: str = "grpo"
-    # whiten advantages over all loss tokens of the rollout batch (slime's flag and default; the
-    # REINFORCE++ estimators require it, as in slime)
-    normalize_advantages: bool = False
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # None = eps_clip (symmetric); larger = DAPO's clip-higher
-    eps_clip_c: float | None = None  # dual-clip constant (> 1) for negative advantages; None = off
-    loss_agg: str = "token_mean"
-    loss_agg_norm_length: int | None = None  # seq_mean_token_sum_norm divisor; None = longest response
+    advantage_estimator: str = flag("grpo", choices=ADVANTAGE_ESTIMATORS, group=G_LOSS)
+    normalize_advantages: bool = flag(False, "whiten advantages over all loss tokens of the rollout batch (required "
+                                      "by reinforce_plus_plus and reinforce_plus_plus_baseline, as in slime)")
+    eps_clip: float = flag(0.2)
+    eps_clip_high: float | None = flag(None, "clip-higher (default: --eps-clip)")
+    eps_clip_c: float | None = flag(None, "dual-clip constant (> 1)")
+    loss_agg: str = flag("token_mean", choices=LOSS_AGGREGATIONS)
+    loss_agg_norm_length: int | None = flag(None, "divisor of seq_mean_token_sum_norm (default: "
+                                            "--rollout-max-response-len)")
     # KL to the reference model, entropy bonus
-    use_kl_loss: bool = False
-    kl_coef: float = 0.0  # --kl-loss-coef
-    kl_loss_type: str = "k3"
+    use_kl_loss: bool = flag(False)
+    kl_coef: float = flag(0.0, "coefficient of the KL loss (slime's)", name="--kl-loss-coef")
+    kl_loss_type: str = flag("k3", choices=KL_LOSS_TYPES)
     # slime's --kl-coef: a KL penalty folded into the rewards of ppo / reinforce++ (not modelled: only 0)
-    reward_kl_coef: float = 0.0
-    ref_load: str | None = None  # the reference policy's HF checkpoint; None = --hf-checkpoint
-    entropy_coef: float = 0.0
+    reward_kl_coef: float = flag(0.0, "slime's KL penalty in the rewards of ppo / reinforce++: only 0 here (see "
+                                 "--kl-loss-coef)", name="--kl-coef")
+    ref_load: str | None = flag(None, "HF checkpoint of the reference policy of the KL loss (default: "
+                                "--hf-checkpoint)")
+    entropy_coef: float = flag(0.0)
     # truncated importance sampling against the engine's log-probs
-    use_tis: bool = False
-    tis_cap: float = 2.0
+    use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
+    tis_cap: float = flag(2.0, "cap of the TIS weight", name="--tis-clip")
     # slime's trainer-side plugins (train_backend/hooks.py); None = not set
-    loss_type: str = "policy_loss"
-    custom_loss_function_path: str | None = None
-    custom_advantage_function_path: str | None = None
-    custom_tis_function_path: str | None = None
-    custom_pg_loss_reducer_function_path: str | None = None
-    custom_model_provider_path: str | None = None
-    custom_megatron_init_path: str | None = None
-    custom_megatron_before_log_prob_hook_path: str | None = None
-    custom_megatron_before_train_step_hook_path: str | None = None
-    custom_reward_post_process_path: str | None = None
-    custom_convert_samples_to_train_data_path: str | None = None
-    rollout_data_postprocess_path: str | None = None
+    loss_type: str = flag("policy_loss", "custom_loss: --custom-loss-function-path replaces the policy loss",
+                          choices=LOSS_TYPES, group=G_HOOKS)
+    custom_loss_function_path: str | None = flag(None, _HOOK_HELP)
+    custom_advantage_function_path: str | None = flag(None, _HOOK_HELP)
+    custom_tis_function_path: str | None = flag(None, _HOOK_HELP)
+    custom_pg_loss_reducer_function_path: str | None = flag(None, _HOOK_HELP)
+    custom_model_provider_path: str | None = flag(None, _HOOK_HELP)
+    custom_megatron_init_path: str | None = flag(None, _HOOK_HELP)
+    custom_megatron_before_log_prob_hook_path: str | None = flag(None, _HOOK_HELP)
+    custom_megatron_before_train_step_hook_path: str | None = flag(None, _HOOK_HELP)
+    custom_reward_post_process_path: str | None = flag(None, _HOOK_HELP)
+    custom_convert_samples_to_train_data_path: str | None = flag(None, _HOOK_HELP)
+    rollout_data_postprocess_path: str | None = flag(None, _HOOK_HELP)
     plugin_args: dict[str, Any] | None = None
     # shared with the rollout side
-    rollout_temperature: float = 1.0
-    reward_key: str | None = None
+    rollout_temperature: float = flag(1.0, declared_elsewhere=True)
+    reward_key: str | None = flag(None, declared_elsewhere=True)
     # placement
-    device: str = "cpu"
-    dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
-    seed: int = 0
-    # HF export path pattern (``{rollout_id}`` is filled in); None = no export
-    save_hf: str | None = None
+    device: str = flag("cpu", "cpu, cuda, cuda:1, ...", name="--train-device", group=G_OPT)
+    dtype: str = flag("float32", "compute dtype; master weights and optimizer state stay float32",
+                      name="--train-dtype", choices=DTYPES)
+    seed: int = flag(0, declared_elsewhere=True)
+    save_hf: str | None = flag(None, "export an HF checkpoint at each save to this path pattern, e.g. "
+                               "hf/{rollout_id}")
 
     def __post_init__(self) -> None:
         self.validate()

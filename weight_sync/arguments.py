@@ -1,7 +1,7 @@
 """Command-line flags of weight_sync (slime's names where slime has one), and the choice of the
 transport from where the trainer and the engines run (``resolve_transport``).
 
-Defaults come from ``WeightSyncSettings``' field defaults, so each lives in one place.
+Each flag is declared by its ``WeightSyncSettings`` field (:mod:`flags`).
 ``--hf-checkpoint`` belongs to the rollout manager; it is read here (the disk transport copies its
 config and tokenizer next to the pushed weights). The engines' API keys come from the rollout
 settings (the ``--sglang-api-key`` / ``--sglang-admin-api-key`` pass-through), given by the caller,
@@ -19,51 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from weight_sync.interfaces import BACKENDS, LOAD_FORMATS, PAUSE_MODES, TRANSPORTS, WeightSyncSettings
+from flags import SettingError, add_flags, from_args
+from weight_sync.interfaces import WeightSyncSettings
 
 POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
 _POST_WRITE_PARAMS = ["args", "version_dir", "rollout_engines"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add weight_sync's flags to ``parser`` (in their own group)."""
-    d = WeightSyncSettings
+    """Add weight_sync's flags to ``parser``: ``WeightSyncSettings``' fields declare them, plus
+    slime's post-write hook (loaded by :func:`load_post_write_hook`, not a setting)."""
+    add_flags(parser, WeightSyncSettings)
     g = parser.add_argument_group("weight sync")
-    g.add_argument("--update-weight-transport", choices=TRANSPORTS, default=d.transport,
-                   help="auto: tensor with --colocate, else distributed; distributed: broadcast over a process "
-                        "group (nccl/gloo); tensor: CUDA IPC handles to the trainer's buckets "
-                        "(/update_weights_from_tensor; needs --colocate); disk: write an HF checkpoint and POST "
-                        "/update_weights_from_disk")
-    g.add_argument("--update-weight-backend", choices=BACKENDS, default=d.backend,
-                   help="collective backend of the weight-update group (auto: nccl when the trainer and the "
-                        "engines are on GPUs of their own, else gloo)")
-    g.add_argument("--update-weight-buffer-size", type=int, default=d.bucket_bytes,
-                   help="bytes per broadcast bucket")
-    g.add_argument("--update-weight-load-format", choices=LOAD_FORMATS, default=d.load_format,
-                   help="flattened_bucket: one flat tensor per bucket; tensor: one collective per tensor")
-    g.add_argument("--update-weight-pause-mode", choices=PAUSE_MODES, default=d.pause_mode,
-                   help="/pause_generation mode while weights change")
-    g.add_argument("--update-weight-master-address", default=d.master_address,
-                   help="address of trainer rank 0 that engines reach for the rendezvous")
-    g.add_argument("--update-weight-master-port", type=int, default=d.master_port,
-                   help="rendezvous port (0: pick a free one)")
-    g.add_argument("--update-weight-group-name", default=d.group_name)
-    g.add_argument("--update-weight-timeout", type=float, default=d.timeout_s,
-                   help="seconds: bound on each HTTP call and collective of a push")
-    g.add_argument("--update-weight-retries", type=int, default=d.retries,
-                   help="times a failed push is redone on the engines still alive")
-    g.add_argument("--check-weight-update-equal", action="store_true", default=d.check_equal,
-                   help="after each push, check every engine's per-tensor checksums against the trainer's")
-    g.add_argument("--update-weight-disk-dir", default=d.disk_dir,
-                   help="directory for the disk transport's checkpoints (readable by the engines)")
-    g.add_argument("--update-weight-disk-keep", type=int, default=d.disk_keep,
-                   help="pushed checkpoints kept in --update-weight-disk-dir")
     g.add_argument(POST_WRITE_FLAG, default=None,
                    help="slime's hook(args, version_dir, rollout_engines): called on trainer rank 0 after the disk "
                         "transport wrote a version, before the engines load it (e.g. to publish the files on a "
                         "filesystem without cross-host read-after-write consistency); rollout_engines are the "
                         "engines' URLs. Needs --update-weight-transport disk")
-
 
 
 def load_post_write_hook(args: argparse.Namespace) -> Callable[[str, list[str]], None] | None:
@@ -83,28 +55,12 @@ def _call_post_write(fn: Callable, args: argparse.Namespace, version_dir: str, e
     fn(args, version_dir, list(engine_urls))
 
 
-_FLAG_OF = {"transport": "--update-weight-transport", "backend": "--update-weight-backend",
-            "bucket_bytes": "--update-weight-buffer-size", "load_format": "--update-weight-load-format",
-            "pause_mode": "--update-weight-pause-mode", "master_port": "--update-weight-master-port",
-            "group_name": "--update-weight-group-name", "timeout_s": "--update-weight-timeout",
-            "retries": "--update-weight-retries", "disk_dir": "--update-weight-disk-dir",
-            "disk_keep": "--update-weight-disk-keep", "hf_checkpoint": "--hf-checkpoint"}
-
-
 def settings_from_args(args: argparse.Namespace, api_key: str | None = None,
                        admin_api_key: str | None = None, engine_dtype: str | None = None) -> WeightSyncSettings:
     """Build and validate WeightSyncSettings; ValueError names the offending flag. ``api_key`` /
     ``admin_api_key``: the engines' keys, from the rollout settings (the launcher passes them);
     ``engine_dtype``: what SGLang engines serve in (``sglang_serving_dtype``; None: not known)."""
-    s = WeightSyncSettings(
-        transport=args.update_weight_transport, backend=args.update_weight_backend,
-        bucket_bytes=args.update_weight_buffer_size, load_format=args.update_weight_load_format,
-        pause_mode=args.update_weight_pause_mode, master_address=args.update_weight_master_address,
-        master_port=args.update_weight_master_port, group_name=args.update_weight_group_name,
-        timeout_s=args.update_weight_timeout, check_equal=args.check_weight_update_equal,
-        retries=args.update_weight_retries, disk_dir=args.update_weight_disk_dir,
-        disk_keep=args.update_weight_disk_keep, hf_checkpoint=args.hf_checkpoint, api_key=api_key,
-        admin_api_key=admin_api_key, engine_dtype=engine_dtype)
+    s = from_args(WeightSyncSettings, args, api_key=api_key, admin_api_key=admin_api_key, engine_dtype=engine_dtype)
     post_write = getattr(args, "custom_update_weight_post_write_path", None)
     if post_write and s.transport != "disk":
         raise ValueError(f"{POST_WRITE_FLAG} {post_write}: slime calls it after a disk weight update's files are "
@@ -113,12 +69,8 @@ def settings_from_args(args: argparse.Namespace, api_key: str | None = None,
     load_post_write_hook(args)  # a bad path fails here, at start-up, naming the flag
     try:
         s.validate()
-    except ValueError as e:
-        field = str(e).split(" ", 1)[0].rstrip(":")
-        flag = _FLAG_OF.get(field)
-        if flag is None:
-            raise
-        raise ValueError(f"{flag}: {e}") from None
+    except SettingError as e:
+        raise e.naming_flag(WeightSyncSettings) from None
     return s
 
 

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
+from flags import SettingError, flag
+
 TRANSPORTS = ("auto", "distributed", "disk", "tensor")
 BACKENDS = ("auto", "gloo", "nccl")
 LOAD_FORMATS = ("flattened_bucket", "tensor")
@@ -76,54 +78,66 @@ class WeightSyncSettings:
         None: such engines get the trainer's dtype and cast at load, as SGLang's loaders do.
     """
 
-    transport: str = "auto"
-    backend: str = "auto"
-    bucket_bytes: int = 512 * 1024 ** 2
-    load_format: str = "flattened_bucket"
-    pause_mode: str = "abort"
-    master_address: str = "127.0.0.1"
-    master_port: int = 0
-    group_name: str = "reservoir_weight_sync"
-    timeout_s: float = 120.0
-    check_equal: bool = False
-    retries: int = 1
-    disk_dir: str | None = None
-    disk_keep: int = 2
-    hf_checkpoint: str | None = None
+    transport: str = flag("auto", "auto: tensor with --colocate, else distributed; distributed: broadcast over a "
+                          "process group (nccl/gloo); tensor: CUDA IPC handles to the trainer's buckets "
+                          "(/update_weights_from_tensor; needs --colocate); disk: write an HF checkpoint and POST "
+                          "/update_weights_from_disk", name="--update-weight-transport", choices=TRANSPORTS,
+                          group="weight sync")
+    backend: str = flag("auto", "collective backend of the weight-update group (auto: nccl when the trainer and the "
+                        "engines are on GPUs of their own, else gloo)", name="--update-weight-backend",
+                        choices=BACKENDS)
+    bucket_bytes: int = flag(512 * 1024 ** 2, "bytes per broadcast bucket", name="--update-weight-buffer-size")
+    load_format: str = flag("flattened_bucket", "flattened_bucket: one flat tensor per bucket; tensor: one collective "
+                            "per tensor", name="--update-weight-load-format", choices=LOAD_FORMATS)
+    pause_mode: str = flag("abort", "/pause_generation mode while weights change", name="--update-weight-pause-mode",
+                           choices=PAUSE_MODES)
+    master_address: str = flag("127.0.0.1", "address of trainer rank 0 that engines reach for the rendezvous",
+                               name="--update-weight-master-address")
+    master_port: int = flag(0, "rendezvous port (0: pick a free one)", name="--update-weight-master-port")
+    group_name: str = flag("reservoir_weight_sync", name="--update-weight-group-name")
+    timeout_s: float = flag(120.0, "seconds: bound on each HTTP call and collective of a push",
+                            name="--update-weight-timeout")
+    check_equal: bool = flag(False, "after each push, check every engine's per-tensor checksums against the "
+                             "trainer's", name="--check-weight-update-equal")
+    retries: int = flag(1, "times a failed push is redone on the engines still alive", name="--update-weight-retries")
+    disk_dir: str | None = flag(None, "directory for the disk transport's checkpoints (readable by the engines)",
+                                name="--update-weight-disk-dir")
+    disk_keep: int = flag(2, "pushed checkpoints kept in --update-weight-disk-dir", name="--update-weight-disk-keep")
+    hf_checkpoint: str | None = flag(None, declared_elsewhere=True)
     api_key: str | None = None
     admin_api_key: str | None = None
     engine_dtype: str | None = None
 
     def validate(self) -> None:
-        """Raise ValueError naming the field of the first bad setting."""
+        """Raise :class:`flags.SettingError` naming the field of the first bad setting."""
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport {self.transport!r}: expected one of {TRANSPORTS}")
+            raise SettingError("transport", f"{self.transport!r}: expected one of {TRANSPORTS}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend {self.backend!r}: expected one of {BACKENDS}")
+            raise SettingError("backend", f"{self.backend!r}: expected one of {BACKENDS}")
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format {self.load_format!r}: expected one of {LOAD_FORMATS}")
+            raise SettingError("load_format", f"{self.load_format!r}: expected one of {LOAD_FORMATS}")
         if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode {self.pause_mode!r}: expected one of {PAUSE_MODES}")
+            raise SettingError("pause_mode", f"{self.pause_mode!r}: expected one of {PAUSE_MODES}")
         if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes {self.bucket_bytes}: must be > 0")
+            raise SettingError("bucket_bytes", f"{self.bucket_bytes}: must be > 0")
         if not 0 <= self.master_port <= 65535:
-            raise ValueError(f"master_port {self.master_port}: must be in [0, 65535]")
+            raise SettingError("master_port", f"{self.master_port}: must be in [0, 65535]")
         if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s {self.timeout_s}: must be > 0")
+            raise SettingError("timeout_s", f"{self.timeout_s}: must be > 0")
         if self.retries < 0:
-            raise ValueError(f"retries {self.retries}: must be >= 0")
+            raise SettingError("retries", f"{self.retries}: must be >= 0")
         if self.disk_keep < 1:
-            raise ValueError(f"disk_keep {self.disk_keep}: must be >= 1")
+            raise SettingError("disk_keep", f"{self.disk_keep}: must be >= 1")
         if self.transport == "disk" and not self.disk_dir:
-            raise ValueError("disk_dir: required when transport is 'disk'")
+            raise SettingError("disk_dir", "required when transport is 'disk'")
         if self.transport == "disk" and not self.hf_checkpoint:
             # the written checkpoint copies its config/tokenizer: engines that load with
             # from_pretrained (the embedded engine) need them next to the weights
-            raise ValueError("hf_checkpoint: required when transport is 'disk'")
+            raise SettingError("hf_checkpoint", "required when transport is 'disk'")
         if not self.group_name:
-            raise ValueError("group_name: must not be empty")
+            raise SettingError("group_name", "must not be empty")
         if self.engine_dtype is not None and not is_float_dtype(self.engine_dtype):
-            raise ValueError(f"engine_dtype {self.engine_dtype!r}: expected a floating-point dtype name")
+            raise SettingError("engine_dtype", f"{self.engine_dtype!r}: expected a floating-point dtype name")
 
     def resolved_transport(self) -> str:
         """``distributed``, ``disk`` or ``tensor`` (``auto`` without the launcher's resolution:

@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from flags import add_flags, flag, from_args
+
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOSS_HEADS = ("auto", "unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")  # = train_backend.megatron.attention.SDPA_BACKENDS
@@ -25,36 +27,49 @@ _ONLY = {"context_parallel_size": (1, "no context parallelism: sequences are pac
                                     "from the same function (slime's scripts set 0)")}
 
 
+def _only(name: str) -> str:
+    only, why = _ONLY[name]
+    return f"slime's flag; only {only} ({why})"
+
+
 @dataclass
 class MegatronSettings:
-    """Parallel layout and Megatron-specific knobs. Field defaults are the flag defaults."""
+    """Parallel layout and Megatron-specific knobs; each field declares its flag (:mod:`flags`)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    make_vocab_size_divisible_by: int = 128
-    recompute_activations: bool = False  # full recompute of every layer (saves activation memory)
-    transformer_impl: str = "auto"  # auto = TransformerEngine if installed, else local + SDPA
-    # Log-prob/entropy head: unfused = fp32 [N, V] copies + megatron's vocab-parallel cross
-    # entropy; chunked = one memory-lean autograd function over token chunks; compiled = the same
-    # with its chunk kernels through torch.compile (fused reductions; meant for CUDA).
-    # auto = compiled on CUDA, chunked on the CPU (where compiling would only slow small runs).
-    loss_head: str = "auto"
-    # CUDA speed-ups that need neither TE nor apex; None = on with CUDA, off on the CPU.
-    # Measured on an H200 (bench/train, 0.5B model, 4k tokens): MFU 0.31 -> 0.41 (compiled head)
-    # -> 0.44 (+ SwiGLU fusion + compiled norms); peak memory 75 -> 35 GiB.
-    bias_swiglu_fusion: bool | None = None  # megatron-core's torch.compile'd SwiGLU (fwd + bwd kernels)
-    torch_compile: bool | None = None  # torch.compile the norm modules (see model.compile_norms)
-    sdpa_backend: str = "auto"  # which SDPA kernel the local layers try first (auto = torch's choice)
-    fused_adam: bool = False  # torch's fused AdamW kernel instead of its foreach implementation
+    tensor_model_parallel_size: int = flag(1, "tensor-parallel ranks per model replica", group="megatron backend")
+    pipeline_model_parallel_size: int = flag(1, "pipeline stages per model replica")
+    sequence_parallel: bool = flag(False, "shard activations along the sequence inside TP regions")
+    use_distributed_optimizer: bool = flag(False, "shard optimizer state and fp32 master weights over data-parallel "
+                                           "ranks")
+    make_vocab_size_divisible_by: int = flag(128, "pad the vocabulary to a multiple of this x TP size")
+    recompute_activations: bool = flag(False, "recompute every layer's activations in backward (full, uniform, 1 "
+                                       "layer)")
+    transformer_impl: str = flag("auto", "layer implementation: TransformerEngine (auto: if installed) or "
+                                 "megatron-core local layers + SDPA", choices=TRANSFORMER_IMPLS)
+    # unfused = fp32 [N, V] copies + megatron's vocab-parallel cross entropy; chunked = one
+    # memory-lean autograd function over token chunks; compiled = the same with its chunk kernels
+    # through torch.compile (fused reductions; meant for CUDA; compiling would only slow small CPU runs)
+    loss_head: str = flag("auto", "log-prob/entropy computation over the vocabulary: unfused (fp32 [N, V] copies), "
+                          "chunked (memory-lean, recomputes the softmax in backward), compiled (chunked with "
+                          "torch.compile'd kernels; for CUDA) or auto (compiled on CUDA, chunked on the CPU)",
+                          choices=LOSS_HEADS)
+    # CUDA speed-ups that need neither TE nor apex (bench/train measures them); None = on with CUDA
+    bias_swiglu_fusion: bool | None = flag(None, "megatron-core's fused (torch.compile'd) SwiGLU activation; no "
+                                           "TE/apex needed (default: on with CUDA)")
+    torch_compile: bool | None = flag(None, "torch.compile the RMSNorm modules (fused kernels; the first step "
+                                      "compiles; default: on with CUDA)")
+    sdpa_backend: str = flag("auto", "local layers: the scaled_dot_product_attention kernel to try first (auto = "
+                             "torch's default order)", choices=SDPA_BACKENDS)
+    fused_adam: bool = flag(False, "torch's fused AdamW kernel (without TE/apex megatron-core uses torch's foreach "
+                            "AdamW)")
     # slime's / Megatron-LM's flags (see _ONLY for the values that can be honoured)
-    attention_backend: str = "auto"
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    attention_backend: str = flag("auto", "Megatron's name for the attention kernel: flash / fused pick SDPA's flash "
+                                  "/ cuDNN kernel first", choices=tuple(ATTENTION_BACKENDS))
+    context_parallel_size: int = flag(1, _only("context_parallel_size"))
+    expert_model_parallel_size: int = flag(1, _only("expert_model_parallel_size"))
+    expert_tensor_parallel_size: int = flag(1, _only("expert_tensor_parallel_size"))
+    hidden_dropout: float = flag(0.0, _only("hidden_dropout"))
+    attention_dropout: float = flag(0.0, _only("attention_dropout"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,43 +112,10 @@ class MegatronSettings:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the Megatron backend's flags to ``parser``."""
-    d = MegatronSettings
+    """Add the Megatron backend's flags to ``parser``: ``MegatronSettings``' fields declare them,
+    plus two of slime's that set nothing here."""
+    add_flags(parser, MegatronSettings)
     g = parser.add_argument_group("megatron backend")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=d.tensor_model_parallel_size,
-                   help="tensor-parallel ranks per model replica")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=d.pipeline_model_parallel_size,
-                   help="pipeline stages per model replica")
-    g.add_argument("--sequence-parallel", action="store_true", default=d.sequence_parallel,
-                   help="shard activations along the sequence inside TP regions")
-    g.add_argument("--use-distributed-optimizer", action="store_true", default=d.use_distributed_optimizer,
-                   help="shard optimizer state and fp32 master weights over data-parallel ranks")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=d.make_vocab_size_divisible_by,
-                   help="pad the vocabulary to a multiple of this x TP size")
-    g.add_argument("--recompute-activations", action="store_true", default=d.recompute_activations,
-                   help="recompute every layer's activations in backward (full, uniform, 1 layer)")
-    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=d.transformer_impl,
-                   help="layer implementation: TransformerEngine or megatron-core local layers + SDPA")
-    g.add_argument("--loss-head", choices=LOSS_HEADS, default=d.loss_head,
-                   help="log-prob/entropy computation over the vocabulary: unfused (fp32 [N, V] copies), "
-                        "chunked (memory-lean, recomputes the softmax in backward), compiled "
-                        "(chunked with torch.compile'd kernels; for CUDA) or auto (compiled on CUDA)")
-    g.add_argument("--bias-swiglu-fusion", action=argparse.BooleanOptionalAction, default=d.bias_swiglu_fusion,
-                   help="megatron-core's fused (torch.compile'd) SwiGLU activation; no TE/apex needed "
-                        "(default: on with CUDA)")
-    g.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=d.torch_compile,
-                   help="torch.compile the RMSNorm modules (fused kernels; the first step compiles; "
-                        "default: on with CUDA)")
-    g.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default=d.sdpa_backend,
-                   help="local layers: the scaled_dot_product_attention kernel to try first "
-                        "(auto = torch's default order)")
-    g.add_argument("--fused-adam", action="store_true", default=d.fused_adam,
-                   help="torch's fused AdamW kernel (without TE/apex megatron-core uses torch's foreach AdamW)")
-    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=d.attention_backend,
-                   help="Megatron's name for the attention kernel: flash / fused pick SDPA's flash / cuDNN kernel first")
-    for name, (only, why) in _ONLY.items():
-        g.add_argument("--" + name.replace("_", "-"), type=type(only), default=getattr(d, name),
-                       help=f"slime's flag; only {only} ({why})")
     g.add_argument("--attention-softmax-in-fp32", action="store_true", default=True,
                    help="always so here: both backends take the attention softmax in float32")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True,
@@ -142,19 +124,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> MegatronSettings:
     """Build :class:`MegatronSettings` from parsed flags (``ValueError`` naming bad flags)."""
-    return MegatronSettings(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        recompute_activations=args.recompute_activations,
-        transformer_impl=args.transformer_impl,
-        loss_head=args.loss_head,
-        bias_swiglu_fusion=args.bias_swiglu_fusion,
-        torch_compile=args.torch_compile,
-        sdpa_backend=args.sdpa_backend,
-        fused_adam=args.fused_adam,
-        attention_backend=args.attention_backend,
-        **{name: getattr(args, name) for name in _ONLY},
-    )
+    return from_args(MegatronSettings, args)
