@@ -251,3 +251,17 @@ def _megatron_jobs(ckpt: str, jobs: list) -> tuple[list, list]:
     from slime_fixtures import train_hooks
 
     return run_layouts(ckpt, jobs), list(train_hooks.PROVIDED)
+
+
+def test_a_raising_trainer_hook_is_named_and_leaves_the_callers_samples(toy_model_dir):
+    import slime_compat
+    from _fixtures_train import make_groups
+
+    slime_compat.install()
+    groups = make_groups(toy_model_dir, num_groups=1, group_size=4)
+    with pytest.raises(RuntimeError, match="--rollout-data-postprocess-path "
+                       + H + "raising_postprocess raised KeyError: 'no_such_key'"):
+        _sgd_delta(toy_model_dir, groups, rollout_data_postprocess_path=H + "raising_postprocess")
+    before = [s.loss_mask[0] for s in groups[0]]
+    _sgd_delta(toy_model_dir, groups, rollout_data_postprocess_path=H + "double_advantages_mask_first_token")
+    assert [s.loss_mask[0] for s in groups[0]] == before == [1] * 4  # masked on copies only

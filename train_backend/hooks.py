@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -133,7 +134,8 @@ class TrainHooks:
         for dest, params in _SIGNATURES.items():
             path = getattr(settings, dest)
             if path:
-                fns[_FIELDS[dest]] = load_function(path, "--" + dest.replace("_", "-"), params, is_async=False)
+                flag = "--" + dest.replace("_", "-")
+                fns[_FIELDS[dest]] = _naming(load_function(path, flag, params, is_async=False), flag, path)
         return cls(plugin_args(settings), reward_key=settings.reward_key, **fns)
 
     # --- call sites ---------------------------------------------------------------------------
@@ -189,8 +191,8 @@ class TrainHooks:
         ``--custom-advantage-function-path`` (then ``--normalize-advantages``), then
         ``--rollout-data-postprocess-path``. ``values`` are the estimator's per-sample values
         (slime's ``rewards``), ``adv`` the advantages so far (``values`` whitened with
-        ``--normalize-advantages``). Returns the advantages, per token; loss
-        masks the post-process changed are written to ``samples``. Collective: ``log_probs``
+        ``--normalize-advantages``). Returns the advantages, per token; a sample whose loss mask
+        the post-process changed is replaced in ``samples`` by a copy with it. Collective: ``log_probs``
         runs forward passes on every rank."""
         from train_backend.batching import whiten_advantages
 
@@ -211,10 +213,10 @@ class TrainHooks:
         self.data_postprocess(self.args, rollout_id, data)
         adv = _per_token(data.get("advantages"), samples, flag, "advantages", torch.float64)
         masks = _per_token(data.get("loss_masks"), samples, flag, "loss_masks", torch.int64)
-        for s, m in zip(samples, masks):
+        for i, m in enumerate(masks):
             if any(x not in (0, 1) for x in m):
-                raise ValueError(f"{flag}: loss_masks of sample {s.index} hold values other than 0 and 1")
-            s.loss_mask = [int(x) for x in m]
+                raise ValueError(f"{flag}: loss_masks of sample {samples[i].index} hold values other than 0 and 1")
+            samples[i] = samples[i].copy(loss_mask=[int(x) for x in m])  # the caller's Sample stays as it was
         return adv
 
     def _rollout_data(self, samples: list, values: list, log_probs: LogProbsFn) -> dict[str, Any]:
@@ -274,6 +276,18 @@ class TrainHooks:
                              f"{type(result).__name__}")
         loss, metrics = result
         return loss, {k: torch.as_tensor(v).detach().float().sum() for k, v in dict(metrics).items()}
+
+
+def _naming(fn: Callable, flag: str, path: str) -> Callable:
+    """``fn`` whose exceptions name the plugin: ``RuntimeError('<flag> <path> raised ...')``, so a
+    run that a trainer-side plugin ended says which one (the original is its ``__cause__``)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise RuntimeError(f"{flag} {path} raised {type(e).__name__}: {e}") from e
+    return call
 
 
 def _per_token(value: Any, samples: list, flag: str, key: str, dtype: torch.dtype) -> list[list]:

@@ -162,3 +162,8 @@ def recorded_postprocess(args, rollout_id, rollout_data):
     """A rollout-data post-process that only records what it was given."""
     _record(args, hook="postprocess", rollout_id=rollout_id, keys=sorted(rollout_data),
             n=len(rollout_data["advantages"]))
+
+
+def raising_postprocess(args, rollout_id, rollout_data):
+    """A post-process with a bug."""
+    return rollout_data["no_such_key"]
