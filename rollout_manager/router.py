@@ -43,6 +43,14 @@ from sglang_protocol.net import free_port
 log = logging.getLogger(__name__)
 
 
+# sglang-router takes its control-plane key only as a flag, and a command line is readable by every
+# local user: the key goes in the environment and this launcher adds it to the router's own argv
+# (what /proc/<pid>/cmdline shows is the command below, without it).
+_KEY_ENV = "RESERVOIR_ROUTER_CONTROL_PLANE_KEY"
+_LAUNCH_WITH_KEY = ("import os, sys; from sglang_router.launch_router import main; "
+                    f"sys.argv += ['--control-plane-api-keys', os.environ.pop('{_KEY_ENV}')]; main()")
+
+
 class Router:
     """A handle on one sglang-router: started here (``start``) or already running (``attach``)."""
 
@@ -83,14 +91,13 @@ class Router:
         ``env`` is added to this process's environment."""
         port = port or free_port(host)
         admin_key = secrets.token_urlsafe(24)
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+        cmd = [sys.executable, "-c", _LAUNCH_WITH_KEY, "--host", host, "--port", str(port),
                "--prometheus-host", host, "--prometheus-port", str(free_port(host)), "--policy", policy,
                # warn, not its default info: info writes two lines per request (~0.4 kB, ~20% of its CPU)
                "--log-level", "warn", "--health-check-interval-secs", str(max(1, int(health_check_interval))),
                # Our client retries on other engines; the router retrying the same dead one only delays that.
-               "--retry-max-retries", "1", "--request-timeout-secs", "3600",
-               "--control-plane-api-keys", f"reservoir:reservoir:admin:{admin_key}", *extra_args]
-        child_env = {**os.environ, **env} if env else None
+               "--retry-max-retries", "1", "--request-timeout-secs", "3600", *extra_args]
+        child_env = {**os.environ, **(env or {}), _KEY_ENV: f"reservoir:reservoir:admin:{admin_key}"}
         router = cls(host, port)
         router.admin_key = admin_key
         router._launch = (cmd, child_env, Path(log_path) if log_path else None)

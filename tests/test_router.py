@@ -52,6 +52,10 @@ def test_only_our_handle_may_change_the_workers(tmp_path):
         return await router.list_workers()
     try:
         assert asyncio.run(go()) == []
+        # the key is on no command line (readable by every local user): not the one it was started
+        # with, nor what the process shows now (sglang-router renames itself once it runs)
+        assert router.admin_key not in " ".join(router._launch[0])
+        assert router.admin_key not in Path(f"/proc/{router.process.pid}/cmdline").read_bytes().decode()
     finally:
         router.stop()
     parser = argparse.ArgumentParser()
