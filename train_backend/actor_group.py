@@ -31,12 +31,13 @@ while the engines generate), ``train`` and ``weight_sync`` (the gather and the p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from flags import flag
 from train_backend.interfaces import TrainSettings, create_backend
@@ -170,27 +171,47 @@ class TrainerRank:
 
             self.offload = OptimizerOffload(self.backend.optimizer, list(self.backend.model.parameters()))
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run one backend method (``train_step``, ``save``, ``load``, ``export_hf``, ...). With
-        ``--offload-train`` the optimizer state comes back to the GPU first where the method needs
-        it; ``save``/``load`` send it back to the host after."""
-        offloaded = self.offload is not None and self.offload.offloaded
-        if method != "train_step" or not self.cuda:
-            if offloaded and method in ("save", "load"):
-                self.offload.onload()
-            try:
-                return getattr(self.backend, method)(*args)
-            finally:
-                if offloaded and method in ("save", "load"):
-                    self.offload.offload()
+    # --- the TrainBackend methods, on this rank ------------------------------------------------
+    def train_step(self, groups: list[list["Sample"]] | None, step: int) -> dict[str, float]:
+        """The backend's ``train_step``; on a GPU with ``--offload-train`` the optimizer state comes
+        back first, and the memory of the phases around it is reported (module docstring)."""
+        if not self.cuda:
+            return self.backend.train_step(groups, step)
         rollout = self._memory_phase("rollout")  # what this rank held while the engines generated
         onload = {}
-        if offloaded:
+        if self.offload is not None and self.offload.offloaded:
             t0 = time.perf_counter()
             moved = self.offload.onload()
             onload = {"perf/onload_train_time": time.perf_counter() - t0, "memory/offloaded_gib": moved / 1024 ** 3}
-        metrics = self.backend.train_step(*args)
+        metrics = self.backend.train_step(groups, step)
         return {**metrics, **rollout, **onload, **self._memory_phase("train")}
+
+    def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
+        return self.backend.compute_log_probs(samples)
+
+    def save(self, path: str) -> None:
+        with self._optimizer_on_device():
+            self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        with self._optimizer_on_device():
+            self.backend.load(path)
+
+    def export_hf(self, path: str) -> None:
+        self.backend.export_hf(path)
+
+    @contextlib.contextmanager
+    def _optimizer_on_device(self) -> Iterator[None]:
+        """An offloaded optimizer state back where the backend keeps it, for a checkpoint's save or
+        load; offloaded again after."""
+        offloaded = self.offload is not None and self.offload.offloaded
+        if offloaded:
+            self.offload.onload()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.offload.offload()
 
     def _memory_phase(self, phase: str) -> dict[str, float]:
         """The GPU memory of the phase that ends now (module docstring); starts the next one."""
@@ -319,23 +340,24 @@ class TrainerGroup:
         import ray
 
         ref = ray.put(groups)
-        return self._all("train_step", [(ref if i == 0 else None, step) for i in range(self.world_size)])[0]
+        return self._gather([r.train_step.remote(ref if i == 0 else None, step) for i, r in enumerate(self.ranks)],
+                            "train_step")[0]
 
     def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
         """Collective: every rank gets the same samples; rank 0's result (all of them)."""
         import ray
 
         ref = ray.put(samples)
-        return self._all("compute_log_probs", [(ref,)] * self.world_size)[0]
+        return self._gather([r.compute_log_probs.remote(ref) for r in self.ranks], "compute_log_probs")[0]
 
     def save(self, path: str) -> None:
-        self._all("save", [(path,)] * self.world_size)
+        self._gather([r.save.remote(path) for r in self.ranks], "save")
 
     def load(self, path: str) -> None:
-        self._all("load", [(path,)] * self.world_size)
+        self._gather([r.load.remote(path) for r in self.ranks], "load")
 
     def export_hf(self, path: str) -> None:
-        self._all("export_hf", [(path,)] * self.world_size)
+        self._gather([r.export_hf.remote(path) for r in self.ranks], "export_hf")
 
     # --- weight sync ------------------------------------------------------------------------------
     def connect_weight_sync(self, settings: "WeightSyncSettings", engine_urls: list[str], engine_gpus: list[int],
@@ -376,9 +398,6 @@ class TrainerGroup:
             self.pg = None
 
     # --- helpers ------------------------------------------------------------------------------
-    def _all(self, method: str, args: list[tuple]) -> list[Any]:
-        return self._gather([r.call.remote(method, *a) for r, a in zip(self.ranks, args)], method)
-
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
         """Results in rank order; the first rank to fail raises at once (see the class doc)."""
         import ray
