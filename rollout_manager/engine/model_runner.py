@@ -49,8 +49,8 @@ class ModelRunner:
     """Loads the HF model and tokenizer, and runs prefill/decode forwards."""
 
     # prefill split costs (see length_groups): a forward's fixed cost in FLOPs (Python, dispatch,
-    # the join's copy: ~25 ms of one CPU core), and a floor on its tokens (a forward of a few
-    # tokens runs its matmuls far below their per-token speed at 64 rows)
+    # the join's copy), and a floor on its tokens (a forward of a few tokens runs its matmuls far
+    # below their per-token speed at 64 rows)
     PREFILL_FORWARD_FLOP = 1.4e9
     PREFILL_MIN_TOKENS = 32
 

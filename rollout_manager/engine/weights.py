@@ -275,8 +275,8 @@ class WeightManager:
         """CUDA: the side stream that waits for received buckets and copies them into the model.
 
         NCCL orders each receive after the work already queued on the current stream; with the
-        copies on that stream too, bucket k+1's receive waited for bucket k's copy (~0.3-0.5 ms
-        per 500 MiB bucket between transfers, measured). Copies on a side stream let receives run
+        copies on that stream too, bucket k+1's receive waited for bucket k's copy (a gap between
+        transfers: bench/NOTES.md "weight_sync"). Copies on a side stream let receives run
         back to back; the forwards' stream waits for the side stream when a version completes
         (or when a copy lands outside a pause), so no forward reads weights being written.
         """
