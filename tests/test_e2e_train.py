@@ -73,6 +73,8 @@ def test_sync_grpo_learns_with_exact_weights_and_logprobs(warm_toy, tmp_path):
     assert list((tmp_path / "sync" / "tensorboard").glob("events.*"))
 
 
+@pytest.mark.slow  # CI time: the bound on every trained sample in async mode is also checked, across a
+# crash and a resume, by tests/test_reliability_resume.py; this adds the producer's metrics reaching the log
 def test_async_mode_keeps_the_staleness_bound(warm_toy, tmp_path):
     out = tmp_path / "async"
     records = run_train(warm_toy, out, "--num-rollout", "8", "--max-weight-staleness", "1",
@@ -159,6 +161,8 @@ def test_two_trainer_ranks_push_exact_weights_a_dead_rank_ends_the_run_and_load_
     assert sorted(trained) == list(range(3 * 8))  # the dead rank's step trained once, after the resume
 
 
+@pytest.mark.slow  # CI time: --debug-train-only from a dump is also run by tests/test_slime_train_hooks.py;
+# this adds --debug-rollout-only writing the dump through the launcher
 def test_debug_rollout_only_then_debug_train_only(warm_toy, tmp_path):
     dump = str(tmp_path / "dumps" / "rollout_{rollout_id}.parquet")
     records = run_train(warm_toy, tmp_path / "rollout_only", "--num-rollout", "2", "--debug-rollout-only",

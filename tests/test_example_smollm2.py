@@ -57,6 +57,8 @@ def train_cmd(model: Path, out: Path, *extra: str) -> list[str]:
             "--no-plots", "--buffer-name", f"buf-{out.name}", *extra]
 
 
+@pytest.mark.slow  # CI time: the launcher's step-0 log-prob match is CI's on the toy llama
+# (tests/test_e2e_train.py); run it with -m slow when the example changes
 def test_two_grpo_steps_with_exact_logprobs(smollm2, tmp_path):
     out = tmp_path / "run"
     cmd = train_cmd(smollm2, out, "--num-rollout", "2", "--skip-eval-before-train", "--rollout-num-engines", "1",
