@@ -63,11 +63,11 @@ def make_weights(name: str, device: str, seed: int = 0) -> list[tuple[str, torch
             for n, s in shapes]
 
 
-def write_checkpoint(name: str, named, out: Path) -> Path:
-    """An HF checkpoint of ``named`` (config, the toy char tokenizer, safetensors), via weight_sync.disk."""
+def write_template(name: str, out: Path) -> Path:
+    """The config and the toy char tokenizer of the set ``name``, without weights: what an engine
+    started with ``--load-format dummy`` reads."""
     from transformers import LlamaConfig
 
-    from weight_sync.disk import write_hf_checkpoint
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_toy_model import build_tokenizer
 
@@ -76,15 +76,23 @@ def write_checkpoint(name: str, named, out: Path) -> Path:
     LlamaConfig(**SETS[name], max_position_embeddings=4096, tie_word_embeddings=False,
                 torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(tmpl)
     build_tokenizer(tmpl)
-    return write_hf_checkpoint(named, out / name, version=0, hf_checkpoint=tmpl)
+    return tmpl
 
 
-def start_engine(model: Path, device: str, port: int, timeout: float = 600.0) -> subprocess.Popen:
-    """``python -m rollout_manager.engine`` on ``model``; waits for /health."""
+def write_checkpoint(name: str, named, out: Path) -> Path:
+    """An HF checkpoint of ``named`` (config, the toy char tokenizer, safetensors), via weight_sync.disk."""
+    from weight_sync.disk import write_hf_checkpoint
+
+    return write_hf_checkpoint(named, out / name, version=0, hf_checkpoint=write_template(name, out))
+
+
+def start_engine(model: Path, device: str, port: int, timeout: float = 600.0,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``python -m rollout_manager.engine`` on ``model`` (plus ``extra`` flags); waits for /health."""
     import urllib.request
 
     cmd = [sys.executable, "-m", "rollout_manager.engine", "--model-path", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--device", device, "--dtype", "bfloat16", "--max-running-requests", "4"]
+           "--port", str(port), "--device", device, "--dtype", "bfloat16", "--max-running-requests", "4", *extra]
     if device == "cpu":  # see main(): one torch thread per process on CPU
         cmd += ["--num-threads", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)

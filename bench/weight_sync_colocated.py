@@ -3,9 +3,12 @@ same-GPU copy of the same bytes.
 
     python bench/weight_sync_colocated.py            # 0.5B / 1.5B / 7B llama-family sets, bf16, one GPU
 
-For each weight set (``bench/weight_sync.py``'s shapes and random bf16 weights): write an HF
-checkpoint, start one embedded engine on the trainer's GPU, connect a ``WeightSender`` with the
-``tensor`` transport (SGLang's ``/update_weights_from_tensor``, CUDA IPC handles) and time
+For each weight set (``bench/weight_sync.py``'s shapes and random bf16 weights, held as the torch
+trainer holds them for ``--update-weight-load-format mapped``: ``torch.nn.Parameter`` objects in one
+buffer, ``train_backend.torch_backend.flatten_parameters``): start one embedded engine on the trainer's GPU
+(``--load-format dummy``: random weights of the set's shapes, which the pushes overwrite; it allows
+the held-weights loader, as the engines a run starts do), connect a ``WeightSender`` per variant
+with the ``tensor`` transport (SGLang's ``/update_weights_from_tensor``, CUDA IPC handles) and time
 ``--repeats`` pushes (pause -> continue) per variant after a warm-up round, interleaved with the
 ceiling: a bare ``copy_`` of every trainer tensor into a preallocated tensor of the same shape on
 the same GPU, and one flat copy of all the bytes (the faster of the two is the ceiling). Then one
@@ -63,11 +66,23 @@ def bench_set(name: str, args, work: Path) -> dict:
     from weight_sync.interfaces import WeightSyncSettings
     from weight_sync.sender import WeightSender
 
-    named = _ws.make_weights(name, args.device)
+    from sglang_protocol.held_weights import LOADER
+
+    from train_backend.torch_backend import flatten_parameters
+
+    # Parameters in one buffer, as the torch trainer lays them out for the mapped push
+    weights = _ws.make_weights(name, args.device)
+    holder = torch.nn.Module()
+    for i, (_, t) in enumerate(weights):
+        holder.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
+    del t
+    flatten_parameters(holder)
+    named = [(n, p) for (n, _), p in zip(weights, holder.parameters())]
+    del weights
     nbytes = sum(x.numel() * x.element_size() for _, x in named)
-    model = _ws.write_checkpoint(name, named, work)
+    model = _ws.write_template(name, work)
     port = free_port()
-    proc = _ws.start_engine(model, args.device, port)
+    proc = _ws.start_engine(model, args.device, port, extra=("--load-format", "dummy", "--custom-weight-loader", LOADER))
     url = f"http://127.0.0.1:{port}"
     senders = []
     try:
@@ -98,8 +113,9 @@ def bench_set(name: str, args, work: Path) -> dict:
                 bare["single"].append(single)
                 handoff.append({"release_s": release, "resume_s": resume})
         del dst, flat_src, flat_dst
-        for _, t in named:
-            t.neg_()
+        with torch.no_grad():
+            for _, t in named:
+                t.neg_()
         variants = {}
         ceiling = min(statistics.median(bare["per_tensor"]), statistics.median(bare["single"]))
         for (fmt, bucket), snd, rs in zip(args.variants, senders, pushes):
@@ -112,7 +128,8 @@ def bench_set(name: str, args, work: Path) -> dict:
                 "transfer_s": statistics.median(x["weight_sync/transfer_s"] for x in rs),
                 "pause_s": statistics.median(x["weight_sync/pause_s"] for x in rs),
                 "continue_s": statistics.median(x["weight_sync/continue_s"] for x in rs),
-                "num_buckets": rs[0]["weight_sync/num_buckets"], "push_gib_s": nbytes / GiB / push_s,
+                "num_buckets": rs[0]["weight_sync/num_buckets"],
+                "held_tensors": rs[0].get("weight_sync/held_tensors", 0.0), "push_gib_s": nbytes / GiB / push_s,
                 "ratio": ceiling / push_s, "check_s": check_s}
         head = variants[f"{args.variants[0][0]}:{args.variants[0][1]}"]
         return {"bytes": nbytes, "num_tensors": len(named), "push_s": head["push_s"], "ratio": head["ratio"],
@@ -126,14 +143,14 @@ def bench_set(name: str, args, work: Path) -> dict:
             snd.close()
         proc.terminate()
         proc.wait(60)
-        _ws.shutil_rmtree(work / name)
+        _ws.shutil_rmtree(model)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--sets", nargs="+", default=["0.5B", "1.5B", "7B"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", nargs="+", default=["flattened_bucket:536870912", "tensor:536870912"],
+    ap.add_argument("--variants", nargs="+", default=["mapped:536870912", "flattened_bucket:536870912"],
                     help="LOAD_FORMAT:BUCKET_BYTES pushes timed on the same engine (the first is the head)")
     ap.add_argument("--device", default="cuda:0", help="the one GPU the trainer and the engine share")
     ap.add_argument("--workdir", default="/tmp/bench_ws_colocated")

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer.sample import parse_weight_version
+from sglang_protocol import held_weights
 from sglang_protocol.client import EngineClient, EngineError, normalize_url
 from sglang_protocol.net import pick_port
 from rollout_manager.procenv import child_environ
@@ -108,7 +109,7 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
                "--port", str(ports.port), "--tp-size", str(e.rollout_num_gpus_per_engine),
                "--nccl-port", str(ports.nccl_port), "--dist-init-addr", f"{_uri_host(host)}:{ports.dist_init_port}",
-               *e.sglang_args]
+               *_with_held_loader(e.sglang_args)]
     elif e.rollout_engine == "instant":
         cmd = [sys.executable, "-m", "rollout_manager.instant_engine", "--host", host, "--port", str(ports.port),
                "--model-path", model, *shlex.split(e.engine_extra_args)]
@@ -122,10 +123,24 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                             random_seed=settings.seed + index, num_threads=None if e.rollout_num_gpus else threads,
                             weight_update_dirs=",".join(e.weight_update_dirs),
                             weight_update_masters=",".join(e.weight_update_masters),
-                            api_key=e.api_key, admin_api_key=e.admin_api_key)
+                            api_key=e.api_key, admin_api_key=e.admin_api_key,
+                            custom_weight_loader=held_weights.LOADER)
         env.update(es.key_env())
         cmd = [sys.executable, "-m", "rollout_manager.engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
+
+
+def _with_held_loader(sglang_args: list[str]) -> list[str]:
+    """SGLang's flags with ``--custom-weight-loader`` allowing the held-weights loader (colocated
+    pushes with ``--update-weight-load-format mapped``), added to the user's list if they gave one
+    (SGLang's flag takes several paths; a second occurrence would replace the first)."""
+    args = list(sglang_args)
+    for i, a in enumerate(args):
+        if a == "--custom-weight-loader":
+            return args[:i + 1] + [held_weights.LOADER] + args[i + 1:]
+        if a.startswith("--custom-weight-loader="):
+            return args[:i] + ["--custom-weight-loader", held_weights.LOADER, a.partition("=")[2]] + args[i + 1:]
+    return ["--custom-weight-loader", held_weights.LOADER, *args]
 
 
 def _take_port(host: Any, ip: str, taken: set[int], start: int = 0, count: int = 1) -> int:

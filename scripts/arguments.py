@@ -160,6 +160,8 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     _check_gpu_count(args)
     _choose_weight_transport(args)
     sync = sync_settings(args)
+    if sync.transport == "tensor" and sync.load_format == "mapped":  # one handle per dtype, not per parameter
+        train = dataclasses.replace(train, flat_params=True)
     _check_across_parts(args)
     return RunSettings(launcher_settings_from_args(args), buffer, rollout, train, megatron, group, sync)
 
@@ -334,6 +336,11 @@ def _choose_weight_transport(args: argparse.Namespace) -> None:
     where = Placement(trainer="cuda" if args.train_device.startswith("cuda") else "cpu",
                       engines=_engine_device(args), colocated=args.colocate, shared_gpu=_shared_gpu(args))
     transport, backend = resolve_transport(args.update_weight_transport, args.update_weight_backend, where)
+    if args.update_weight_load_format == "auto":  # mapped where the engines can hold the trainer's tensors
+        args.update_weight_load_format = "mapped" if transport == "tensor" else "flattened_bucket"
+    if args.update_weight_load_format == "mapped" and transport != "tensor":
+        raise ValueError(f"--update-weight-load-format mapped hands the engines handles they keep mapped, which "
+                         f"needs --colocate (--update-weight-transport tensor); this run's transport is {transport}")
     if where.shared_gpu and transport == "distributed" and args.update_weight_backend == "auto":
         log.warning("trainer rank 0 and an engine share a GPU (%s) without --colocate: weights go over gloo, "
                     "through host memory; --colocate hands them over as CUDA IPC handles and lends the engines' "

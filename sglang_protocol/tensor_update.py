@@ -9,6 +9,9 @@ The body is SGLang's ``UpdateWeightsFromTensorReqInput`` (``srt/managers/io_stru
     a 1-D ``uint8`` tensor, each ``m`` with the attributes ``name, shape, dtype, start_idx, end_idx,
     numel`` (byte offsets into ``t``; ``numel`` is the byte count); SGLang rebuilds each tensor as
     ``t[start_idx:end_idx].view(dtype).reshape(shape)`` (its ``FlattenedTensorBucket``).
+- ``load_format`` may also name a function on the engine's ``--custom-weight-loader`` list
+  (SGLang imports it and calls ``fn(model, named_tensors)`` with the pairs of a list payload;
+  ``sglang_protocol.held_weights``); an engine refuses one not on its list.
 - ``load_format``, ``flush_cache`` (SGLang's default is true: sent false on all but a version's
   last bucket), ``weight_version`` (applied once the call has succeeded).
 
@@ -58,7 +61,7 @@ from sglang_protocol.buckets import bucket_layout
 
 ROUTE = "/update_weights_from_tensor"
 FLATTENED = "flattened_bucket"
-LOAD_FORMATS = (None, FLATTENED)
+LOAD_FORMATS = (None, FLATTENED)  # SGLang's built-in formats besides "direct"; or a custom loader's path
 # Position of the device in torch's ``rebuild_cuda_tensor`` arguments (stable for years; SGLang
 # patches the same position). ``_reduce_tensor`` checks it holds the tensor's device index.
 _CUDA_DEVICE_ARG = 6
@@ -101,9 +104,10 @@ def serialize(obj: Any) -> str:
 def request_body(obj: Any, tp_size: int, load_format: str | None, flush_cache: bool,
                  weight_version: str | None = None) -> dict[str, Any]:
     """The JSON body of ``/update_weights_from_tensor`` for an engine of ``tp_size`` TP ranks:
-    ``obj`` (a list of ``(name, tensor)`` or a ``flattened_bucket``) serialised once per rank."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r}: expected one of {LOAD_FORMATS}")
+    ``obj`` (a list of ``(name, tensor)`` or a ``flattened_bucket``) serialised once per rank.
+    ``load_format``: one of ``LOAD_FORMATS`` or a custom loader's import path (with a list)."""
+    if load_format not in LOAD_FORMATS and not _is_loader_path(load_format):
+        raise ValueError(f"load_format {load_format!r}: expected one of {LOAD_FORMATS} or a loader's import path")
     if tp_size < 1:
         raise ValueError(f"tp_size {tp_size}: must be >= 1")
     body: dict[str, Any] = {"serialized_named_tensors": [serialize(obj) for _ in range(tp_size)],
@@ -160,8 +164,9 @@ def parse_request(body: dict) -> TensorUpdateRequest:
     if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
         raise ValueError("serialized_named_tensors: expected a non-empty list of base64 strings, one per TP rank")
     load_format = body.get("load_format")
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format: {load_format!r} is not supported (null or {FLATTENED!r})")
+    if load_format not in LOAD_FORMATS and not _is_loader_path(load_format):
+        raise ValueError(f"load_format: {load_format!r} is not supported (null, {FLATTENED!r} or the import path "
+                         "of a --custom-weight-loader)")
     flags = {k: body.get(k, d) for k, d in (("flush_cache", True), ("abort_all_requests", False))}
     for k, v in flags.items():
         if not isinstance(v, bool):
@@ -170,6 +175,11 @@ def parse_request(body: dict) -> TensorUpdateRequest:
     if version is not None and not isinstance(version, str):
         raise ValueError(f"weight_version: expected a string, got {version!r}")
     return TensorUpdateRequest(payloads, load_format, flags["flush_cache"], version, flags["abort_all_requests"])
+
+
+def _is_loader_path(load_format: Any) -> bool:
+    """A dotted import path (``module.function``), as SGLang's ``dynamic_import`` reads one."""
+    return isinstance(load_format, str) and "." in load_format.strip(".") and " " not in load_format
 
 
 def deserialize(payload: str | bytes) -> Any:
@@ -185,7 +195,8 @@ def deserialize(payload: str | bytes) -> Any:
 
 def named_tensors(obj: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, tensor)`` pairs of a deserialised payload (views into a flattened bucket);
-    ValueError saying what does not fit ``load_format``."""
+    ValueError saying what does not fit ``load_format``. A custom loader's list may be empty
+    (``held_weights``: let go of what is held)."""
     if load_format == FLATTENED:
         if not isinstance(obj, dict) or not {"flattened_tensor", "metadata"} <= set(obj):
             raise ValueError("a flattened bucket must be a dict with 'flattened_tensor' and 'metadata'")
@@ -195,7 +206,7 @@ def named_tensors(obj: Any, load_format: str | None) -> list[tuple[str, torch.Te
         if not isinstance(meta, (list, tuple)) or not meta:
             raise ValueError("metadata: expected a non-empty list")
         return [_view(flat, m, i) for i, m in enumerate(meta)]
-    if not isinstance(obj, (list, tuple)) or not obj:
+    if not isinstance(obj, (list, tuple)) or not (obj or load_format not in LOAD_FORMATS):
         raise ValueError("expected a non-empty list of (name, tensor) pairs")
     out = []
     for i, pair in enumerate(obj):

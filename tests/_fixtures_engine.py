@@ -60,7 +60,9 @@ def stop_process(proc: subprocess.Popen) -> None:
 def engine_url(engine_model) -> Iterator[str]:
     """One engine subprocess (seed 0) shared by the engine tests (tests that change its weights
     restore them before they end)."""
-    proc, url = start_engine(engine_model, random_seed=0)
+    from sglang_protocol.held_weights import LOADER
+
+    proc, url = start_engine(engine_model, random_seed=0, custom_weight_loader=LOADER)  # as a run starts them
     try:
         yield url
     finally:

@@ -84,6 +84,8 @@ def gpus(monkeypatch):
     (2, ["--train-device", "cuda", "--update-weight-backend", "nccl"],
      "--update-weight-backend nccl: the engines run on the CPU (--rollout-num-gpus 0"),
     (0, ["--update-weight-backend", "nccl"], "--update-weight-backend nccl: the trainer runs on the CPU"),
+    (0, ["--update-weight-load-format", "mapped"], "--update-weight-load-format mapped hands the engines handles "
+                                                   "they keep mapped, which needs --colocate"),
     (1, ["--train-device", "cuda", "--rollout-num-gpus", "1"],
      "the engines (--rollout-num-gpus 1) need 2 GPUs, and this machine has 1: add --colocate"),
 ])
@@ -123,6 +125,49 @@ def test_colocation_derives_the_engines_gpus_and_placement(base, gpus):
     args = parse_args(base + ["--colocate", "--train-device", "cuda", "--rollout-engine", "sglang",
                               "--sglang-mem-fraction-static", "0.4"])
     assert args.sglang_args == ["--mem-fraction-static", "0.4", "--enable-memory-saver"]  # else release frees nothing
+
+
+def test_a_mapped_colocated_run_lays_the_torch_trainers_parameters_flat(base, gpus):
+    """With --colocate (--update-weight-load-format auto: mapped) the torch trainer is told to keep its
+    parameters in one buffer per dtype (one handle per push); otherwise not."""
+    from arguments import parse
+
+    gpus(0)
+    assert parse(base + ["--colocate"])[1].train.flat_params  # auto: mapped when colocated
+    assert not parse(base + ["--colocate", "--update-weight-load-format", "flattened_bucket"])[1].train.flat_params
+    assert not parse(base)[1].train.flat_params
+
+
+def test_flat_parameters_go_as_one_handle(toy_model_dir):
+    """``flatten_parameters``: every parameter a view of one buffer per dtype, the model's output
+    unchanged, an optimizer step updating them in place (the buffer stays put); ``held_weights.pack``
+    sends that buffer once, and the receiver's ``unpack`` (after torch's pickling through shared
+    memory, as on the CPU) gives back every parameter by name, bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_protocol import held_weights
+    from sglang_protocol.tensor_update import deserialize, serialize
+    from train_backend.torch_backend import flatten_parameters
+
+    model = AutoModelForCausalLM.from_pretrained(str(toy_model_dir), dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = model(ids).logits.detach()
+    flatten_parameters(model)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 1 and all(p.storage_offset() * p.element_size() % 256 == 0 for p in model.parameters())
+    assert torch.equal(model(ids).logits, before)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(ids).logits.sum().backward()
+    opt.step()
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} == storages
+    assert not torch.equal(model(ids).logits, before)
+    named = list(model.named_parameters())
+    pairs = held_weights.pack([(n, p.detach()) for n, p in named])
+    assert len(pairs) == 1 and pairs[0][0].startswith(held_weights.HEADER)
+    got = dict(held_weights.unpack(deserialize(serialize(pairs))))
+    assert list(got) == [n for n, _ in named] and all(torch.equal(got[n], p) for n, p in named)
+    with pytest.raises(ValueError, match="do not fit a storage"):
+        held_weights.unpack([(held_weights.HEADER + '[["x","float32",[4],0]]', torch.zeros(8, dtype=torch.uint8))])
 
 
 def test_resolve_transport_table():
@@ -228,7 +273,8 @@ def test_memory_handoff_with_sglangs_own_code(oracle):
 def test_sglang_receives_tensors_cast_at_the_push(oracle, transport):
     """With the launcher's ``engine_dtype`` (SGLang lists no dtypes), SGLang's own receive path
     (flattened bucket metadata, ``load_weights``) gets every floating tensor in that dtype with the
-    bytes of the trainer's cast; the non-floating one as it was."""
+    bytes of the trainer's cast; the non-floating one as it was. (``tensor``: the load format ``auto``
+    falls back from ``mapped`` to flattened buckets, since this SGLang allows no custom loader.)"""
     from test_sglang_conformance import _assert_received, _get
 
     g = torch.Generator().manual_seed(5 if transport == "tensor" else 6)
@@ -237,7 +283,8 @@ def test_sglang_receives_tensors_cast_at_the_push(oracle, transport):
     s = WeightSyncSettings(transport=transport, backend="gloo", bucket_bytes=128, timeout_s=60,
                            engine_dtype="bfloat16")
     with WeightSender(s) as sender:
-        sender.connect([oracle])
+        sender.connect([oracle])  # auto: SGLang's /get_server_info lists no held-weights loader here
+        assert sender.settings.load_format == "flattened_bucket"
         m = sender.push(named, version=3)
     assert m["weight_sync/cast_tensors"] == 3
     [rank] = _get(oracle, "/oracle/received")["ranks"]
@@ -278,9 +325,10 @@ def _train(model: Path, out: Path, config: str, *extra: str, timeout: float = 40
 
 
 def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
-    """--colocate on the CPU: the tensor transport (shared-memory files), the engines paused and
-    released before each training step and resumed after each push, every push checked tensor by
-    tensor against the trainer's, rollouts of step k on version k."""
+    """--colocate on the CPU: the tensor transport (shared-memory files; ``mapped``: the trainer's
+    parameters, in one buffer, held by the engine), the engines paused and released before each
+    training step and resumed after each push, every push checked tensor by tensor against the
+    trainer's, rollouts of step k on version k."""
     records, stdout = _train(toy_model_dir, tmp_path / "colocate", "examples/toy/grpo_cpu.yaml", "--colocate",
                              "--num-rollout", "3",
                              "--rollout-num-engines", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
@@ -289,6 +337,7 @@ def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
     steps = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/version"] == r["step"] + 1 for r in steps)
+    assert all(r["weight_sync/held_tensors"] > 0 and r["weight_sync/num_buckets"] == 0 for r in steps)  # auto: mapped
     assert all(r["perf/release_memory_time"] > 0 and r["perf/resume_memory_time"] > 0 for r in steps)
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
     assert not any(k.startswith("memory/") for r in steps for k in r)  # GPU memory: on GPUs only
@@ -310,7 +359,7 @@ def test_colocated_launcher_run_on_one_gpu(tmp_path):
                       .replace("use-tensorboard: true", "use-tensorboard: false"))
     t0 = time.monotonic()
     records, stdout = _train(model, tmp_path / "gpu", str(config), "--num-rollout", "4", "--eval-interval", "4",
-                             "--check-weight-update-equal")
+                             "--check-weight-update-equal", "--update-weight-load-format", "flattened_bucket")
     print(stdout[-2000:], f"wall {time.monotonic() - t0:.1f}s")
     assert "weight sync: tensor" in stdout
     steps = [r for r in records if "train/loss" in r]

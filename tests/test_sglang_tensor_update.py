@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, engine_model_b, engine_url, hf_model, run  # noqa: F401
+from sglang_protocol import held_weights
 from sglang_protocol.buckets import tensor_checksum
 from sglang_protocol.client import EngineClient, EngineError
 from sglang_protocol.tensor_update import ROUTE, request_body
@@ -42,8 +43,9 @@ PROMPTS = [[10, 11, 12], [30, 31], [40, 41, 42, 43, 44]]
 @pytest.fixture(scope="module")
 def oracles(toy_model_dir, tmp_path_factory):
     """Two SGLang oracle engines for the module, started in parallel: TP=1 and TP=2."""
+    allow = ("--custom-weight-loader", held_weights.LOADER)  # as the engines a run starts
     with running_oracles(toy_model_dir, tmp_path_factory.mktemp("oracle_tensor"),
-                         {"tp1": (1, ()), "tp2": (2, ())}) as urls:
+                         {"tp1": (1, allow), "tp2": (2, allow)}) as urls:
         yield urls
 
 
@@ -78,6 +80,94 @@ def test_tensor_transport_into_sglang_tp1_and_tp2(oracles, load_format):
         assert {c["load_format"] for c in calls} == {load_format if load_format == "flattened_bucket" else None}
         assert [c["flush_cache"] for c in calls] == [False] * (n - 1) + [True]
         assert [c["weight_version"] for c in calls] == [None] * (n - 1) + [str(version)]
+
+
+def test_mapped_pushes_into_sglang_open_each_parameter_once(oracles):
+    """``mapped``: the trainer's parameters go in one request naming the held-weights loader, which
+    SGLang (its --custom-weight-loader list, its WeightUpdater) imports and calls on every TP rank;
+    the second push's tensors rebuild onto the storages the loader still holds (nothing is
+    opened again) and carry the values changed in place; a non-parameter tensor goes in flattened
+    buckets; only the push's last request carries the version; closing lets the engines drop
+    what they hold (an empty list, in a session)."""
+    named = [(n, torch.nn.Parameter(t, requires_grad=False)) for n, t in _weights(31)[:-1]]
+    named.append(("lm_head.weight", torch.randn(3, 5).bfloat16()))  # gathered or converted: not held
+    urls = {"tp1": (oracles["tp1"], 1), "tp2": (oracles["tp2"], 2)}
+    control0 = {k: len(_get(u, "/oracle/requests")["control"]) for k, (u, _) in urls.items()}
+    calls0 = {k: len(_get(u, "/oracle/tensor_updates")["calls"]) for k, (u, _) in urls.items()}
+    s = WeightSyncSettings(transport="tensor", load_format="mapped", bucket_bytes=160, timeout_s=60)
+    with WeightSender(s) as sender:
+        sender.connect([urls["tp1"][0], urls["tp2"][0]], engine_gpus=[1, 2])
+        m1 = sender.push(named, version=11)
+        with torch.no_grad():
+            for _, t in named:
+                t.add_(1)  # the optimizer's step: in place
+        m2 = sender.push(named, version=12)
+    assert m1["weight_sync/held_tensors"] == m2["weight_sync/held_tensors"] == 5
+    assert m2["weight_sync/num_buckets"] == 1
+    for k, (url, tp) in urls.items():
+        ranks = _get(url, "/oracle/received")["ranks"]
+        assert len(ranks) == tp
+        for r in ranks:
+            _assert_received(r, named)
+            for n, _ in named[:-1]:
+                first, second = r["tensors"][n]["storages"][-2:]
+                assert first == second, f"{n}: the second push opened its handle again"
+        assert _get(url, "/model_info")["weight_version"] == "12"
+        push = ["pause_generation", "begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
+                "end_weight_update", "continue_generation"]
+        release = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+        assert _get(url, "/oracle/requests")["control"][control0[k]:] == push + push + release
+        calls = _get(url, "/oracle/tensor_updates")["calls"][calls0[k]:]
+        assert [c["load_format"] for c in calls] == [held_weights.LOADER, "flattened_bucket"] * 2 + [held_weights.LOADER]
+        assert [c["weight_version"] for c in calls] == [None, "11", None, "12", None]
+        assert [c["payloads"] for c in calls] == [tp] * 5
+
+
+def test_mapped_needs_engines_that_allow_the_loader(engine_url, monkeypatch):
+    """An engine without the loader on its --custom-weight-loader list is refused at connect, with
+    the flags to fix it; a request naming a loader off its list is answered 400 naming it."""
+    monkeypatch.setattr(held_weights, "LOADER", "elsewhere.not_allowed")
+    s = WeightSyncSettings(transport="tensor", load_format="mapped", timeout_s=60)
+    with WeightSender(s) as sender, pytest.raises(ValueError, match="--custom-weight-loader elsewhere.not_allowed"):
+        sender.connect([engine_url])
+    body = request_body([("model.norm.weight", torch.ones(4))], 1, "elsewhere.not_allowed", False)
+
+    async def go():
+        async with EngineClient(engine_url, timeout=60) as c:
+            assert await c.begin_weight_update()
+            try:
+                with pytest.raises(EngineError) as e:
+                    await c.request("POST", ROUTE, body, admin=True)
+            finally:
+                await c.end_weight_update()
+            return e.value
+    err = run(go())
+    assert err.status == 400 and "'elsewhere.not_allowed' is not a --custom-weight-loader" in err.body
+
+
+def test_mapped_pushes_into_the_embedded_engine(engine_url, engine_model, engine_model_b):
+    """The embedded engine runs the held-weights loader as SGLang does: a mapped push of other
+    weights makes it generate what they generate; weights changed in place reach it at the next
+    push; a mapped push of the originals brings them back (checksums equal the trainer's)."""
+    model_a, model_b = hf_model(engine_model), hf_model(engine_model_b)
+    s = WeightSyncSettings(transport="tensor", load_format="mapped", timeout_s=60, check_equal=True)
+
+    async def greedy() -> list[list[int]]:
+        async with EngineClient(engine_url, timeout=60) as c:
+            return await _greedy(c)
+    with WeightSender(s) as sender:
+        sender.connect([engine_url])
+        m = sender.push(model_b.named_parameters(), version=21)
+        after = run(greedy())
+        with torch.no_grad():
+            model_b.model.norm.weight.mul_(2)
+        sender.push(model_b.named_parameters(), version=22)
+        changed = _checksums(engine_url)
+        sender.push(model_a.named_parameters(), version=23)
+    assert m["weight_sync/held_tensors"] == len(list(model_b.parameters())) and m["weight_sync/num_buckets"] == 0
+    assert after == [_hf_greedy(model_b, p) for p in PROMPTS]
+    assert changed == {n: tensor_checksum(p) for n, p in model_b.named_parameters()}
+    assert _checksums(engine_url) == {n: tensor_checksum(p) for n, p in model_a.named_parameters()}
 
 
 def test_outside_a_session_sglang_and_the_embedded_engine_refuse_alike(oracles, engine_url):
@@ -157,7 +247,8 @@ def test_tensor_transport_into_the_embedded_engine(engine_url, engine_model, eng
     """A push of other weights (flattened buckets) makes the engine generate what those weights
     generate, its checksums equal the trainer's; a per-tensor push brings the original back."""
     model_a, model_b = hf_model(engine_model), hf_model(engine_model_b)
-    s = WeightSyncSettings(transport="tensor", bucket_bytes=64 * 1024, timeout_s=60, check_equal=True)
+    s = WeightSyncSettings(transport="tensor", load_format="flattened_bucket", bucket_bytes=64 * 1024, timeout_s=60,
+                           check_equal=True)
 
     async def greedy() -> list[list[int]]:
         async with EngineClient(engine_url, timeout=60) as c:
@@ -192,7 +283,8 @@ def test_a_refused_bucket_fails_the_attempt_and_the_retry_lands(engine_url, engi
         return real(obj, tp_size, load_format, flush_cache, weight_version)
     monkeypatch.setattr(tensor_update, "request_body", first_one_bad)
     model_a = hf_model(engine_model)
-    s = WeightSyncSettings(transport="tensor", bucket_bytes=64 * 1024, timeout_s=60, retries=1)
+    s = WeightSyncSettings(transport="tensor", load_format="flattened_bucket", bucket_bytes=64 * 1024, timeout_s=60,
+                           retries=1)
     with WeightSender(s) as sender:
         sender.connect([engine_url])
         m = sender.push(model_a.named_parameters(), version=3)

@@ -30,8 +30,9 @@ def _engine(model: Path, port: int = 0, device: str = "cuda:1") -> tuple:
                                                 dtype="float32", max_running_requests=8), timeout_s=180)
 
 
-def _assert_engine_holds(url: str, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Every engine tensor's checksum equals the trainer's (read after the push, not inside it)."""
+def _assert_engine_holds(url: str, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> None:
+    """Every engine tensor's checksum equals the trainer's (cast to ``dtype`` if given; read after
+    the push, not inside it)."""
     import json
     import urllib.request
 
@@ -40,8 +41,8 @@ def _assert_engine_holds(url: str, named: list[tuple[str, torch.Tensor]]) -> Non
     with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as r:
         sums = json.loads(r.read())
     sums = sums.get("checksums", sums)
-    bad = [n for n, t in named if sums.get(n) != tensor_checksum(t)]
-    assert not bad, f"{len(bad)} tensors differ on the engine, e.g. {bad[:3]}"
+    bad = [n for n, t in named if sums.get(n) != tensor_checksum(t, dtype)]
+    assert not bad, f"{len(bad)} tensors differ on the engine (the trainer's cast to {dtype}), e.g. {bad[:3]}"
 
 
 def _generates(url: str) -> None:
@@ -100,12 +101,8 @@ def test_fp32_trainer_into_a_bf16_engine_on_the_same_gpu(ws_toy_model, transport
     """Issue 13: fp32 master weights on cuda:0 and an engine serving bf16 on cuda:0. Each bucket is
     cast on the GPU while it is packed (tensor: CUDA IPC handles; distributed: over gloo), half the
     bytes travel, and the engine holds the trainer's weights cast to bf16, bit for bit."""
-    import json
-    import urllib.request
-
     from rollout_manager.engine.launch import launch_engine_process
     from rollout_manager.engine.settings import EngineSettings
-    from sglang_protocol.buckets import tensor_checksum
     from weight_sync.interfaces import WeightSyncSettings
     from weight_sync.sender import WeightSender
 
@@ -116,7 +113,7 @@ def test_fp32_trainer_into_a_bf16_engine_on_the_same_gpu(ws_toy_model, transport
                                                dtype="bfloat16", max_running_requests=8), timeout_s=180)]
     url = es[0][1]
     s = WeightSyncSettings(transport=transport, backend="gloo", bucket_bytes=32 * 1024, timeout_s=20,
-                           check_equal=True)
+                           check_equal=True, load_format="flattened_bucket")
     try:
         with WeightSender(s) as sender:
             sender.connect([url])
@@ -126,11 +123,47 @@ def test_fp32_trainer_into_a_bf16_engine_on_the_same_gpu(ws_toy_model, transport
                 assert m["weight_sync/cast_tensors"] == len(named)
                 assert m["weight_sync/bytes"] == sum(t.numel() * 2 for _, t in named)
                 _generates(url)
-                with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as r:
-                    sums = json.loads(r.read())
-                sums = sums.get("checksums", sums)
-                bad = [n for n, t in named if sums.get(n) != tensor_checksum(t, torch.bfloat16)]
-                assert not bad, f"{len(bad)} tensors differ from the trainer's cast to bf16, e.g. {bad[:3]}"
+                _assert_engine_holds(url, named, torch.bfloat16)
+    finally:
+        stop_engines(es)
+
+
+def test_mapped_parameters_into_a_bf16_engine_on_the_same_gpu(ws_toy_model):  # noqa: F811
+    """``mapped`` on one GPU: the trainer's fp32 parameters (changed in place between pushes, as an
+    optimizer does) go as handles the engine holds; it casts to bf16 while copying. After each
+    push: every tensor bitwise equal to the trainer's cast to bf16, and generation. Once the sender
+    closes, the engine lets go: the trainer's memory is freed when it frees its parameters."""
+    from rollout_manager.engine.launch import launch_engine_process
+    from rollout_manager.engine.settings import EngineSettings
+    from sglang_protocol.held_weights import LOADER
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.set_device(0)
+    es = [launch_engine_process(EngineSettings(model_path=str(ws_toy_model), port=0, device="cuda:0",
+                                               dtype="bfloat16", max_running_requests=8,
+                                               custom_weight_loader=LOADER), timeout_s=180)]
+    url = es[0][1]
+    base = torch.cuda.memory_allocated()
+    params = [(n, torch.nn.Parameter(t.clone(), requires_grad=False)) for n, t in _weights(ws_toy_model, 1.0)]
+    s = WeightSyncSettings(transport="tensor", load_format="mapped", timeout_s=20)
+    try:
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            for version, scale in ((1, 1.25), (2, 0.5), (3, 0.75)):
+                with torch.no_grad():
+                    for _, p in params:
+                        p.mul_(scale)
+                m = sender.push(params, version=version)
+                assert m["weight_sync/held_tensors"] == len(params) and m["weight_sync/num_buckets"] == 0
+                assert _version(url) == str(version)
+                _generates(url)
+                _assert_engine_holds(url, params, torch.bfloat16)
+        del params, p
+        torch.cuda.ipc_collect()  # blocks another process held are freed once it let go
+        assert torch.cuda.memory_allocated() <= base + (1 << 20)
     finally:
         stop_engines(es)
 

@@ -37,7 +37,8 @@ class TrainSettings:
     """Everything a train backend needs. Each field declares its flag (:func:`flags.flag`: slime's
     names; default, help and choices in one place). ``hf_checkpoint``, ``rollout_temperature``,
     ``reward_key`` and ``seed`` are flags the rollout side declares; ``plugin_args`` is the
-    namespace slime plugins get as ``args`` (the run's flags as a dict), set by the launcher.
+    namespace slime plugins get as ``args`` (the run's flags as a dict), set by the launcher, and
+    so is ``flat_params`` (with ``--colocate`` and ``--update-weight-load-format mapped``).
     """
 
     hf_checkpoint: str = flag(declared_elsewhere=True)
@@ -106,6 +107,9 @@ class TrainSettings:
     custom_convert_samples_to_train_data_path: str | None = flag(None, _HOOK_HELP)
     rollout_data_postprocess_path: str | None = flag(None, _HOOK_HELP)
     plugin_args: dict[str, Any] | None = None
+    # one buffer per dtype for the parameters of a single-process torch trainer: a colocated
+    # ``mapped`` push then hands each engine one handle (set by the launcher, no flag)
+    flat_params: bool = False
     # shared with the rollout side
     rollout_temperature: float = flag(1.0, declared_elsewhere=True)
     reward_key: str | None = flag(None, declared_elsewhere=True)

@@ -93,6 +93,8 @@ class TorchBackend:
             setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), 2 * len(layers) + 8))
             for layer in layers:
                 layer.compile()
+        if settings.flat_params and not self.distributed:
+            flatten_parameters(model)
         self.model = model
         self.model.train()
         if settings.optimizer == "sgd":  # Megatron's sgd: momentum 0.9 (its --sgd-momentum default)
@@ -348,10 +350,16 @@ class TorchBackend:
     # --- weights and checkpoints ----------------------------------------------------------------
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under HF names in the compute dtype, one parameter at a time (each a
-        collective under FSDP2: every rank must exhaust the iterator)."""
+        collective under FSDP2: every rank must exhaust the iterator). A parameter already in that
+        dtype is yielded itself: storage that stays put between pushes, which a colocated push can
+        hand over once (``--update-weight-load-format mapped``)."""
         for name, p in self.model.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            yield name, t.detach().to(self.compute_dtype)  # what the engines run (float32 masters stay here)
+            if hasattr(p, "full_tensor"):
+                yield name, p.full_tensor().detach().to(self.compute_dtype)
+            elif p.dtype == self.compute_dtype:
+                yield name, p
+            else:
+                yield name, p.detach().to(self.compute_dtype)  # what the engines run (float32 masters stay here)
 
     def save(self, path: str) -> None:
         """Model + optimizer (torch.distributed.checkpoint, sharded under FSDP2), scheduler, step
@@ -372,3 +380,24 @@ class TorchBackend:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
+
+
+def flatten_parameters(model: torch.nn.Module) -> None:
+    """Move ``model``'s parameters into one buffer per (device, dtype), each parameter a view of
+    its buffer (values unchanged; the old storages are freed). A colocated ``mapped`` push then
+    hands each engine one CUDA IPC handle per buffer instead of one per parameter. Parameters
+    that share an object (tied embeddings) are moved once."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+    for p in model.parameters():  # unique Parameter objects
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    with torch.no_grad():
+        for (device, dtype), ps in groups.items():
+            align = max(1, 256 // dtype.itemsize)  # each parameter starts 256-byte aligned, as allocations do
+            starts = [0]
+            for p in ps[:-1]:
+                starts.append(starts[-1] + -(-p.numel() // align) * align)
+            flat = torch.empty(starts[-1] + ps[-1].numel(), dtype=dtype, device=device)  # [numel]
+            for p, start in zip(ps, starts):
+                view = flat[start:start + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view

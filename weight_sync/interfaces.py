@@ -16,7 +16,7 @@ from flags import SettingError, flag
 
 TRANSPORTS = ("auto", "distributed", "disk", "tensor")
 BACKENDS = ("auto", "gloo", "nccl")
-LOAD_FORMATS = ("flattened_bucket", "tensor")
+LOAD_FORMATS = ("auto", "flattened_bucket", "tensor", "mapped")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 #: What a push consumes: ``(hf_name, full tensor)`` pairs, e.g. ``backend.named_hf_weights()``.
@@ -51,8 +51,14 @@ class WeightSyncSettings:
     bucket_bytes: the most bytes packed into one broadcast (a tensor larger than this travels
         alone). One HTTP round trip per bucket, so larger buckets cost fewer round trips and more
         memory (a bucket is a copy on the trainer and on every engine).
-    load_format: ``flattened_bucket`` (one flat tensor per bucket, one collective) or ``tensor``
-        (one collective per tensor, no packing copy).
+    load_format: ``auto`` (``mapped`` with the ``tensor`` transport, else ``flattened_bucket``),
+        ``flattened_bucket`` (one flat tensor per bucket, one collective) or ``tensor``
+        (one collective per tensor, no packing copy), or, with the ``tensor`` transport only,
+        ``mapped``: the trainer's parameters (``torch.nn.Parameter`` objects, storage that stays put
+        between pushes) go as handles to themselves in one request, and each engine holds them
+        mapped between pushes (``sglang_protocol/held_weights.py``; engines must allow its loader
+        with ``--custom-weight-loader``, which the engines a run starts do); other tensors travel
+        in flattened buckets.
     pause_mode: SGLang's ``/pause_generation`` mode during a push: ``abort`` returns in-flight
         requests (partial rollouts resume them), ``in_place``/``retract`` keep them.
     master_address / master_port: the rendezvous that trainer rank 0 hosts (port 0: a free port).
@@ -87,8 +93,11 @@ class WeightSyncSettings:
                         "engines are on GPUs of their own, else gloo)", name="--update-weight-backend",
                         choices=BACKENDS)
     bucket_bytes: int = flag(512 * 1024 ** 2, "bytes per broadcast bucket", name="--update-weight-buffer-size")
-    load_format: str = flag("flattened_bucket", "flattened_bucket: one flat tensor per bucket; tensor: one collective "
-                            "per tensor", name="--update-weight-load-format", choices=LOAD_FORMATS)
+    load_format: str = flag("auto", "auto: mapped with the tensor transport, else flattened_bucket; "
+                            "flattened_bucket: one flat tensor per bucket; tensor: one collective "
+                            "(or handle) per tensor; mapped (transport tensor): the trainer's parameters as handles "
+                            "the engines keep mapped between pushes, one request per push",
+                            name="--update-weight-load-format", choices=LOAD_FORMATS)
     pause_mode: str = flag("abort", "/pause_generation mode while weights change", name="--update-weight-pause-mode",
                            choices=PAUSE_MODES)
     master_address: str = flag("127.0.0.1", "address of trainer rank 0 that engines reach for the rendezvous",
@@ -116,6 +125,9 @@ class WeightSyncSettings:
             raise SettingError("backend", f"{self.backend!r}: expected one of {BACKENDS}")
         if self.load_format not in LOAD_FORMATS:
             raise SettingError("load_format", f"{self.load_format!r}: expected one of {LOAD_FORMATS}")
+        if self.load_format == "mapped" and self.transport not in ("tensor", "auto"):
+            raise SettingError("load_format", f"'mapped' needs the tensor transport (--colocate), not "
+                                              f"{self.transport!r}")
         if self.pause_mode not in PAUSE_MODES:
             raise SettingError("pause_mode", f"{self.pause_mode!r}: expected one of {PAUSE_MODES}")
         if self.bucket_bytes <= 0:
@@ -138,6 +150,13 @@ class WeightSyncSettings:
             raise SettingError("group_name", "must not be empty")
         if self.engine_dtype is not None and not is_float_dtype(self.engine_dtype):
             raise SettingError("engine_dtype", f"{self.engine_dtype!r}: expected a floating-point dtype name")
+
+    def resolved_load_format(self, transport: str | None = None) -> str:
+        """``load_format`` with ``auto`` resolved for ``transport`` (default: this one resolved):
+        ``mapped`` with the tensor transport, else ``flattened_bucket``."""
+        if self.load_format != "auto":
+            return self.load_format
+        return "mapped" if (transport or self.resolved_transport()) == "tensor" else "flattened_bucket"
 
     def resolved_transport(self) -> str:
         """``distributed``, ``disk`` or ``tensor`` (``auto`` without the launcher's resolution:

@@ -25,7 +25,7 @@ import torch
 from sglang_protocol.client import EngineClient
 from sglang_protocol.net import free_port
 from weight_sync._loop import SerialThread, in_thread
-from sglang_protocol import tensor_update
+from sglang_protocol import held_weights, tensor_update
 from sglang_protocol.buckets import flatten_bucket, parse_dtype, unflatten_bucket
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.plan import Bucket
@@ -203,6 +203,23 @@ async def send_tensor_bucket(channel: TensorChannel, members: list[tuple[str, in
     failed = _failures([u for u, _, _ in members], outs, "update_weights_from_tensor")
     if failed:
         raise PushFailed(failed)
+
+
+async def send_held_tensors(peers: list[tuple[str, int, EngineClient]], pairs: list, settings: WeightSyncSettings,
+                     weight_version: str | None) -> None:
+    """One ``/update_weights_from_tensor`` per engine with handles to ``pairs`` themselves and the
+    held-weights loader as ``load_format``; PushFailed naming each engine that failed."""
+    try:
+        bodies = [tensor_update.request_body(pairs, g, held_weights.LOADER, weight_version is not None and
+                               settings.pause_mode != "in_place", weight_version) for _, g, _ in peers]
+    except Exception as e:  # nothing was sent
+        raise PushFailed({TRAINER: f"serialising the held tensors: {type(e).__name__}: {e}"}) from e
+    outs = await asyncio.gather(*(c.update_weights_from_tensor(b, settings.timeout_s)
+                                  for (_, _, c), b in zip(peers, bodies)), return_exceptions=True)
+    failed = _failures([u for u, _, _ in peers], outs, "update_weights_from_tensor")
+    if failed:
+        raise PushFailed(failed)
+
 
 
 async def open_link(settings: WeightSyncSettings, members: list[tuple[str, int, EngineClient]], name: str) -> Link:

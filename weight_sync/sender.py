@@ -29,9 +29,15 @@ to the bucket (CUDA IPC on GPUs: the engine maps the trainer's memory and copies
 goes through the host; a shared-memory file on the CPU). A bucket is kept flattened (one handle
 per bucket, ``load_format`` ``flattened_bucket``) and alive until every engine has answered it (an
 engine answers once it has copied it); bucket k+1 is packed while bucket k's requests are in
-flight. TODO: opening a CUDA IPC handle costs far more than the copy behind it, and each bucket
-is a fresh allocation and so a fresh handle; one persistent buffer, mapped once by each engine and
-refilled per bucket, would leave only the copies.
+flight.
+
+With ``load_format`` ``mapped``, the trainer's parameters (``torch.nn.Parameter``: storage that
+stays put, updated in place by the optimizer) go first, as handles to themselves in one request
+whose ``load_format`` is ``sglang_protocol.held_weights.LOADER`` (SGLang's ``--custom-weight-loader``):
+each engine loads them and holds them, so from the second push on it opens no handle, and the
+engine casts while it copies (no staging copy on the trainer). Other tensors (gathered or
+converted ones, fresh at every push) travel in flattened buckets as above; the last request
+carries the version. ``close`` lets the engines drop what they hold.
 """
 
 from __future__ import annotations
@@ -44,14 +50,17 @@ import uuid
 from collections import deque
 from typing import Callable
 
+import torch
+
+from sglang_protocol import held_weights
 from sglang_protocol.client import EngineClient, normalize_url
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
 from weight_sync.link import (Link, PushFailed, TensorChannel, abort_link, close_link, open_link, send_bucket,
-                              send_tensor_bucket, wait_transfer)
-from weight_sync.plan import check_against_engine, check_tensors, plan_buckets, push_specs
+                              send_held_tensors, send_tensor_bucket, wait_transfer)
+from weight_sync.plan import Bucket, check_against_engine, check_tensors, plan_buckets, push_specs
 
 logger = logging.getLogger(__name__)
 GiB = 1024 ** 3
@@ -82,6 +91,8 @@ class WeightSender:
         self.post_write = post_write
         if settings.transport == "auto":  # the launcher resolves auto; used alone, the one that works anywhere
             settings = dataclasses.replace(settings, transport=settings.resolved_transport())
+        self._auto_format = settings.load_format == "auto"  # mapped, unless an engine does not allow it
+        settings = dataclasses.replace(settings, load_format=settings.resolved_load_format())
         self.settings = settings
         self.version_sink = version_sink
         self.engines: list[EngineState] = []
@@ -140,10 +151,12 @@ class WeightSender:
                 check_against_engine(specs, e.params, e.url, e.tied, e.complete)
         # floating tensors travel in the engines' dtype (cast per bucket while packing)
         sent = push_specs(specs, [e.params for e in self.engines], self.settings.engine_dtype)
-        buckets = plan_buckets(sent, self.settings.bucket_bytes)
-        metrics = self._loop.run(self._push(named, sent, buckets, version, progress),
-                                 timeout=self._outer_timeout(len(buckets)))
-        metrics["weight_sync/cast_tensors"] = float(sum(a.dtype != b.dtype for a, b in zip(specs, sent)))
+        held, buckets = self._plan(named, sent)
+        metrics = self._loop.run(self._push(named, sent, buckets, version, progress, held),
+                                 timeout=self._outer_timeout(len(buckets) + bool(held)))
+        held_set = set(held)  # held tensors travel as they are: the engine casts them while copying
+        metrics["weight_sync/cast_tensors"] = float(sum(a.dtype != b.dtype for i, (a, b) in enumerate(zip(specs, sent))
+                                                        if i not in held_set))
         self.version = version
         self._record_version(version)
         return metrics
@@ -184,6 +197,18 @@ class WeightSender:
         self.close()
 
     # --- internals ---------------------------------------------------------------------------
+    def _plan(self, named, sent) -> tuple[list[int], list[Bucket]]:
+        """``(held, buckets)``: the indices that go as held handles (``mapped``: the parameters) and
+        the buckets of the others (indices into ``named``)."""
+        mapped = self.settings.transport == "tensor" and self.settings.load_format == "mapped"
+        held = [i for i, (_, t) in enumerate(named)
+                if mapped and isinstance(t, torch.nn.Parameter) and t.is_contiguous()]
+        if not held:
+            return [], plan_buckets(sent, self.settings.bucket_bytes)
+        rest = sorted(set(range(len(named))) - set(held))
+        buckets = plan_buckets([sent[i] for i in rest], self.settings.bucket_bytes)
+        return held, [dataclasses.replace(b, indices=[rest[j] for j in b.indices]) for b in buckets]
+
     def _outer_timeout(self, n_buckets: int = 1) -> float:
         # A backstop only: each HTTP call and collective has its own bound of timeout_s.
         s = self.settings
@@ -209,6 +234,14 @@ class WeightSender:
                                                                 admin_api_key=self.settings.admin_api_key),
                                     check_equal=self.settings.check_equal) for u, g in zip(urls, gpus)]
         await asyncio.gather(*(fetch_params(e, self.settings.timeout_s) for e in self.engines))
+        if self.settings.transport == "tensor" and self.settings.load_format == "mapped":
+            refused = await asyncio.gather(*(_check_loader_allowed(e) for e in self.engines), return_exceptions=True)
+            refused = [r for r in refused if isinstance(r, BaseException)]
+            if refused and not self._auto_format:
+                raise refused[0]
+            if refused:  # auto: the format every engine takes
+                logger.warning("weight sync: flattened buckets, not mapped: %s", refused[0])
+                self.settings = dataclasses.replace(self.settings, load_format="flattened_bucket")
         if self.settings.transport == "distributed":
             self._link = await self._open(self.engines)
 
@@ -262,7 +295,7 @@ class WeightSender:
             link, self._link = self._link, None
             await close_link(link, min(self.settings.timeout_s, 10.0))
 
-    async def _push(self, named, specs, buckets, version, progress) -> dict[str, float]:
+    async def _push(self, named, specs, buckets, version, progress, held=()) -> dict[str, float]:
         s = self.settings
         total_bytes = sum(b.nbytes for b in buckets)
         last_error: Exception | None = None
@@ -283,8 +316,8 @@ class WeightSender:
                     if link.device.type != "cuda":
                         await first
                 elif s.transport == "tensor":
-                    self._channel.flattened = s.load_format == "flattened_bucket"
-                    staged = [await self._pack_tensors(named, buckets[0])]
+                    self._channel.flattened = s.load_format != "tensor"
+                    staged = [await self._pack_tensors(named, buckets[0])] if buckets else []
                 t_pause = time.perf_counter()  # generation stops from here
                 self._mark("pause")
                 await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
@@ -298,7 +331,7 @@ class WeightSender:
                         await _end_session(members, s.timeout_s)
                 elif s.transport == "tensor":
                     await call_all(members, lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
-                    bcast_s = await self._send_tensors(members, named, buckets, version, progress, staged)
+                    bcast_s = await self._send_tensors(members, named, buckets, version, progress, staged, held)
                     await _end_session(members, s.timeout_s)
                 else:
                     bcast_s = await self._send_disk(members, named, version)
@@ -324,6 +357,7 @@ class WeightSender:
                     "weight_sync/connect_s": t_link - t0, "weight_sync/pack_first_s": t_pause - t_link,
                     "weight_sync/total_s": t1 - t0,
                     "weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(len(buckets)),
+                    "weight_sync/held_tensors": float(len(held)),
                     "weight_sync/num_tensors": float(len(specs)), "weight_sync/engines": float(len(members)),
                     "weight_sync/attempts": float(attempt + 1), "weight_sync/version": float(version),
                     "weight_sync/revived": float(revived)}
@@ -412,15 +446,24 @@ class WeightSender:
         return loop.run_in_executor(None, self._channel.pack, named, bucket)
 
     async def _send_tensors(self, members: list[EngineState], named, buckets, version: int, progress,
-                            staged: list | None = None) -> float:
-        """Send every bucket with the tensor transport (``staged``: ``[bucket 0 packed]``, emptied
-        here); return the seconds spent sending. Bucket k+1 is packed while bucket k's requests are
-        in flight; bucket k is let go once every engine has answered it (each has copied it by then):
-        packed buckets are held in lists that are emptied, so no frame keeps one longer."""
+                            staged: list | None = None, held=()) -> float:
+        """Send the held tensors (``mapped``), then every bucket with the tensor transport
+        (``staged``: ``[bucket 0 packed]``, emptied here); return the seconds spent sending. Bucket
+        k+1 is packed while bucket k's requests are in flight; bucket k is let go once every engine
+        has answered it (each has copied it by then): packed buckets are held in lists that are
+        emptied, so no frame keeps one longer."""
         s = self.settings
         peers = [(e.url, e.gpus, e.client) for e in members]
-        staged = staged if staged else [await self._pack_tensors(named, buckets[0])]
         t = time.perf_counter()
+        if held:
+            pairs = held_weights.pack([(named[i][0], named[i][1].detach()) for i in held])
+            if pairs[0][1].is_cuda:  # an engine that finds these storages mapped already waits for no
+                torch.cuda.synchronize(pairs[0][1].device)  # event of ours: the trainer's writes end first
+            await send_held_tensors(peers, pairs, s, weight_version=None if buckets else str(version))
+            self._mark("held")
+        if not buckets:
+            return time.perf_counter() - t
+        staged = staged if staged else [await self._pack_tensors(named, buckets[0])]
         for i in range(len(buckets)):
             obj, keep = staged.pop()
             self._mark("packed", i)
@@ -496,18 +539,18 @@ class WeightSender:
         if e.params is not None:
             check_against_engine(specs, e.params, e.url, e.tied, e.complete)
         specs = push_specs(specs, [e.params], self.settings.engine_dtype)
-        buckets = plan_buckets(specs, self.settings.bucket_bytes)
+        held, buckets = self._plan(named, specs)
         s = self.settings
         t0 = time.perf_counter()
         if s.transport == "disk":
             await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
             await self._send_disk([e], named, version)
         elif s.transport == "tensor":
-            self._channel.flattened = s.load_format == "flattened_bucket"
+            self._channel.flattened = s.load_format != "tensor"
             await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
             await call_all([e], lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
             try:
-                await self._send_tensors([e], named, buckets, version, None)
+                await self._send_tensors([e], named, buckets, version, None, held=held)
             finally:
                 await _end_session([e], s.timeout_s)
         else:
@@ -528,12 +571,41 @@ class WeightSender:
         return {"weight_sync/resync_s": time.perf_counter() - t0}
 
     async def _close(self) -> None:
+        if self.settings.transport == "tensor" and self.settings.load_format == "mapped" and self.version is not None:
+            await _release_held([e for e in self.engines if e.alive], self.settings)
         if self._link is not None:
             link, self._link = self._link, None
             await close_link(link, self.settings.timeout_s, urls_alive={e.url for e in self.engines if e.alive})
         for e in self.engines:
             await e.client.close()
         await asyncio.sleep(0.05)  # aiohttp closes transports on the next loop iterations
+
+
+async def _check_loader_allowed(e: EngineState) -> None:
+    """ValueError naming the flags unless engine ``e`` lists the held-weights loader in its
+    ``--custom-weight-loader`` (``/server_info``, SGLang's ``/get_server_info``)."""
+    try:
+        info = await e.client.server_info()
+    except Exception as err:
+        raise RuntimeError(f"engine {e.url}: cannot read /server_info to check --custom-weight-loader: {err}") from err
+    if held_weights.LOADER not in (info.get("custom_weight_loader") or ()):
+        raise ValueError(f"--update-weight-load-format mapped: engine {e.url} does not allow the loader "
+                         f"{held_weights.LOADER} (start it with --custom-weight-loader {held_weights.LOADER}, as the "
+                         f"engines a run starts are; or use --update-weight-load-format flattened_bucket)")
+
+
+async def _release_held(members: list[EngineState], settings: WeightSyncSettings) -> None:
+    """Let the engines drop the trainer's tensors they hold (an empty list to the loader), inside
+    a session; best effort (the sender is closing): failures are logged."""
+    peers = [(e.url, e.gpus, e.client) for e in members]
+    try:
+        await call_all(members, lambda c: c.begin_weight_update(settings.timeout_s), "begin_weight_update")
+        try:
+            await send_held_tensors(peers, [], settings, None)
+        finally:
+            await _end_session(members, settings.timeout_s)
+    except Exception as e:
+        logger.warning("close: engines may still hold the trainer's tensors: %s", e)
 
 
 async def _end_session(members: list[EngineState], timeout_s: float, then_continue: bool = False) -> None:

@@ -66,8 +66,13 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = getattr(torch, settings.torch_dtype_name())
         self.config = AutoConfig.from_pretrained(settings.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            settings.model_path, dtype=self.dtype, attn_implementation="sdpa").to(self.device).eval()
+        if settings.load_format == "dummy":  # SGLang's: shapes from the config, values random
+            with torch.device(self.device):
+                self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
+                                                              attn_implementation="sdpa").eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                settings.model_path, dtype=self.dtype, attn_implementation="sdpa").to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or settings.model_path)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         max_pos = getattr(self.config, "max_position_embeddings", None)

@@ -48,7 +48,8 @@ class Engine:
         self.runner = ModelRunner(settings)
         self.scheduler = Scheduler(self.runner, settings.max_running_requests, settings.max_prefill_tokens,
                                    settings.random_seed, settings.weight_version)
-        self.weights = WeightManager(self.runner, self.scheduler, settings.weight_update_timeout_s)
+        self.weights = WeightManager(self.runner, self.scheduler, settings.weight_update_timeout_s,
+                                     settings.weight_loaders())
         self.model_path = settings.model_path
         self.started = time.time()
 
@@ -247,7 +248,7 @@ class Engine:
 
     async def server_info(self, request: web.Request) -> web.Response:
         s = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in ("api_key", "admin_api_key")}
-        s.update({"model_path": self.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+        s.update({"model_path": self.model_path, "custom_weight_loader": self.settings.weight_loaders(), "tp_size": 1, "dp_size": 1, "pp_size": 1,
                   "context_length": self.runner.context_length, "skip_tokenizer_init": False,
                   "served_model_name": self.settings.served_model_name or self.model_path,
                   "version": VERSION, "status": "ready",

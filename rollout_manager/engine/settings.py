@@ -26,6 +26,8 @@ class EngineSettings:
     port: int = 30000
     device: str = "cpu"  # "cpu" or "cuda[:i]"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    load_format: str = "auto"  # SGLang's: auto (the checkpoint's weights) or dummy (random, config only)
+    custom_weight_loader: str = ""  # SGLang's: import paths /update_weights_from_tensor may name as load_format
     max_running_requests: int = 128  # rows of the running batch
     max_prefill_tokens: int = 8192  # prompt tokens admitted (prefilled) in one step
     context_length: int | None = None  # None: the model config's max_position_embeddings
@@ -51,6 +53,8 @@ class EngineSettings:
             self.tokenizer_path = os.path.abspath(self.tokenizer_path)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: expected auto, float32, bfloat16 or float16")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format {self.load_format!r}: expected auto or dummy")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:i]")
         if self.native_forward not in ("auto", "off"):
@@ -73,6 +77,11 @@ class EngineSettings:
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
 
+    def weight_loaders(self) -> list[str]:
+        """``--custom-weight-loader``'s import paths (SGLang's flag takes several: space- or
+        comma-separated here)."""
+        return self.custom_weight_loader.replace(",", " ").split()
+
     def to_cli(self) -> list[str]:
         """The command-line flags that reproduce these settings (for the subprocess launcher),
         keys aside: :meth:`key_env` carries them."""
@@ -94,6 +103,11 @@ _HELP = {
     "tokenizer_path": "tokenizer directory (default: --model-path)",
     "device": "cpu or cuda[:i]",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    "load_format": "auto: the checkpoint's weights; dummy: random weights of the config's shapes (SGLang's; for "
+                   "benchmarks and tests that push their own weights)",
+    "custom_weight_loader": "SGLang's: import paths of functions fn(model, named_tensors) that "
+                            "/update_weights_from_tensor may name as its load_format (e.g. "
+                            "sglang_protocol.held_weights.load_and_hold)",
     "max_running_requests": "most requests decoded together in one batch",
     "max_prefill_tokens": "most prompt tokens prefilled in one scheduler step",
     "context_length": "longest prompt+output (default: the model's max_position_embeddings)",
@@ -128,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["required"] = True
         else:
             kw["default"] = f.default
+        if f.name == "custom_weight_loader":  # SGLang's flag takes several paths
+            kw["nargs"] = "*"
         ap.add_argument(flag, **kw)
     return ap
 
@@ -136,6 +152,8 @@ def parse_settings(argv: list[str] | None = None) -> EngineSettings:
     """Parse the command line into EngineSettings; a bad flag exits with a usage error naming it."""
     ap = build_parser()
     ns = ap.parse_args(argv)
+    if isinstance(ns.custom_weight_loader, list):
+        ns.custom_weight_loader = " ".join(ns.custom_weight_loader)
     for name, env in KEY_ENV.items():  # a flag wins over the environment
         if getattr(ns, name) is None and os.environ.get(env):
             setattr(ns, name, os.environ[env])

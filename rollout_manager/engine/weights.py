@@ -15,14 +15,16 @@
   (``sglang_protocol/tensor_update.py``); they are opened off the loop, checked like a
   distributed bucket, copied in the same way, and the request is answered only once the copy has
   finished on the device, since the trainer may free or reuse that memory once answered. Refused
-  outside a session, as SGLang refuses it.
+  outside a session, as SGLang refuses it. A ``load_format`` on ``--custom-weight-loader``'s list
+  is imported and called as SGLang calls it, ``fn(model, named_tensors)``, in the scheduler
+  thread, ``model.load_weights`` being that same copy (``sglang_protocol/held_weights.py``).
 - ``update_from_disk``: load a checkpoint and copy it in the same way.
 
-Where a bucket's time goes matters (a 512 MiB bucket crosses NVLink in ~1.5 ms), so:
+Where a bucket's time goes matters (bench/weight_sync.py measures it), so:
 - gloo receives block until the bucket is here, and NCCL's first collective of a group builds
   its communicator (blocking too): both run in the group's one worker thread, in order. Later
   NCCL receives only queue work on the GPU and are issued on the HTTP loop itself (a thread hop
-  cost 0.4-1 ms per bucket on the GPU VMs), right after the bucket's answer has gone out (loop
+  per bucket is not free), right after the bucket's answer has gone out (loop
   callbacks run in order, so receives keep the order of the requests); a version's last bucket
   queues its receive and copy before answering.
 - On CUDA the copies run on a side stream that waits for each receive, so bucket k+1's receive
@@ -57,7 +59,7 @@ import torch
 
 from sglang_protocol.buckets import bucket_layout, parse_dtype, tensor_checksum, unflatten_bucket
 from sglang_protocol.process_group import WeightUpdateGroup, init_weight_update_group
-from sglang_protocol.tensor_update import TensorUpdateRequest, deserialize, named_tensors
+from sglang_protocol.tensor_update import LOAD_FORMATS, TensorUpdateRequest, deserialize, named_tensors
 
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -115,11 +117,42 @@ class _ReceiveBuffers:
             self._bufs = [None if not busy else b for b, busy in zip(self._bufs, self._busy)]
 
 
+class _LoadTarget:
+    """The ``model`` a custom weight loader gets: ``load_weights(named_tensors)`` copies them into
+    the engine's model (SGLang's models have the same method)."""
+
+    load: Callable[[Any], None] | None = None
+
+    def load_weights(self, named_tensors) -> None:
+        if self.load is None:
+            raise RuntimeError("load_weights is only callable while a weight update runs")
+        self.load(named_tensors)
+
+
+_loaders: dict[str, Callable] = {}
+
+
+def _import_loader(path: str) -> Callable:
+    """SGLang's ``dynamic_import``: ``module.function``; WeightUpdateError if it cannot be imported."""
+    if path not in _loaders:
+        import importlib
+
+        module, _, fn = path.rpartition(".")
+        try:
+            _loaders[path] = getattr(importlib.import_module(module), fn)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise WeightUpdateError(f"load_format: cannot import {path!r}: {type(e).__name__}: {e}") from e
+    return _loaders[path]
+
+
 class WeightManager:
     """Holds the joined groups and applies received weights through the scheduler."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, timeout_s: float):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, timeout_s: float,
+                 custom_loaders: list[str] | None = None):
         self.runner = runner
+        self.custom_loaders = list(custom_loaders or ())  # SGLang's --custom-weight-loader
+        self._load_target = _LoadTarget()  # the ``model`` a custom loader is given (one object: loaders key on it)
         self.scheduler = scheduler
         self.timeout_s = timeout_s
         self.groups: dict[str, _Group] = {}
@@ -310,6 +343,12 @@ class WeightManager:
         if tp_rank >= len(req.serialized_named_tensors):
             raise WeightUpdateError(f"serialized_named_tensors: {len(req.serialized_named_tensors)} payloads, "
                                     f"none for TP rank {tp_rank}")
+        loader = None
+        if req.load_format not in LOAD_FORMATS:  # SGLang: only a path on its list is imported
+            if req.load_format not in self.custom_loaders:
+                raise WeightUpdateError(f"load_format: {req.load_format!r} is not a --custom-weight-loader of this "
+                                        f"engine (it allows {self.custom_loaders or 'none'})")
+            loader = _import_loader(req.load_format)
         rec = {"handler": time.perf_counter()}  # this bucket's timeline (``self.trace``)
 
         def open_payload() -> dict[str, torch.Tensor]:
@@ -319,17 +358,15 @@ class WeightManager:
                 named = named_tensors(deserialize(req.serialized_named_tensors[tp_rank]), req.load_format)
             except Exception as e:  # a payload that cannot be opened is a bad request, whatever broke
                 raise WeightUpdateError(f"serialized_named_tensors[{tp_rank}]: {type(e).__name__}: {e}") from e
-            problem = self._check([n for n, _ in named], [t.dtype for _, t in named],
-                                  [tuple(t.shape) for _, t in named])
-            if problem:
-                raise WeightUpdateError(problem)
+            if loader is None:  # a custom loader's payload is its own to read: its load_weights checks
+                self._check_named(named)
             return dict(named)
 
         tensors = await asyncio.get_running_loop().run_in_executor(None, open_payload)
         rec["recv_queued"] = time.perf_counter()
         rec["bytes"] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
         try:
-            await self._apply(tensors, req.weight_version, drain=True)
+            await self._apply(tensors, req.weight_version, drain=True, loader=loader)
         except BaseException:
             self._apply_error = None  # reported to this request already, not to a later bucket
             raise
@@ -356,6 +393,13 @@ class WeightManager:
             raise WeightUpdateError(f"model_path: {problem}")
         await self._apply(state, weight_version)
 
+    def _check_named(self, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``named``, or WeightUpdateError saying what does not fit the model."""
+        problem = self._check([n for n, _ in named], [t.dtype for _, t in named], [tuple(t.shape) for _, t in named])
+        if problem:
+            raise WeightUpdateError(problem)
+        return named
+
     def _check(self, names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> str | None:
         for n, dt, sh in zip(names, dtypes, shapes):
             p = self._params.get(n)
@@ -369,7 +413,7 @@ class WeightManager:
 
     def _apply(self, tensors: dict[str, Any], weight_version: str | None,
                release: Callable[[], None] | None = None, final: bool = True,
-               drain: bool = False) -> "asyncio.Future[None]":
+               drain: bool = False, loader: Callable | None = None) -> "asyncio.Future[None]":
         """Queue the copy of ``tensors`` into the model between two forwards (the scheduler runs
         commands in order, before any forward that follows them). Returns a future of it.
         ``release()`` runs once the copy has run (or failed): ``tensors`` are free for reuse.
@@ -377,6 +421,8 @@ class WeightManager:
         forwards' stream is not made to wait for this copy yet (the version's last bucket, or
         ``settle``, does that). ``drain``: the future completes only once the copy has finished
         on the device too (``tensors`` live in memory that their owner reuses afterwards).
+        ``loader``: a custom weight loader, called with the tensors in place of the copy (its
+        ``model.load_weights`` runs the copy).
 
         Buckets that do not complete a version are not waited for (one thread hop less per
         bucket): their copies run in queue order, and a failure is remembered and reported by
@@ -388,26 +434,14 @@ class WeightManager:
 
         def copy() -> None:
             try:
-                # Flat views on both sides (a received bucket arrives as 1-D parts): one fused copy.
-                pairs = [(params[n].view(-1), t.reshape(-1)) if params[n].is_contiguous()
-                         else (params[n], t.reshape(params[n].shape)) for n, t in tensors.items()]
-                same = [(p, t) for p, t in pairs if p.dtype == t.dtype]
-                if side is not None:  # after the forwards already queued (they read these weights)
-                    side.wait_stream(torch.cuda.current_stream(side.device))
-                with torch.no_grad(), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
-                    if same:  # one fused launch for the bucket instead of one copy per tensor
-                        torch._foreach_copy_([p for p, _ in same], [t for _, t in same])
-                    for p, t in pairs:
-                        if p.dtype != t.dtype:
-                            p.copy_(t)  # casts to the engine's dtype
-                if side is not None:
-                    for _, t in pairs:  # the caching allocator must not reuse them before the copy ran
-                        if t.is_cuda:
-                            t.record_stream(side)
-                    if final or not sched.paused:  # forwards (or reads) may follow
-                        torch.cuda.current_stream(side.device).wait_stream(side)
-                    if drain:
-                        side.synchronize()
+                if loader is None:
+                    load(tensors)
+                else:
+                    self._load_target.load = lambda named: load(dict(self._check_named(list(named))))
+                    try:
+                        loader(self._load_target, list(tensors.items()))
+                    finally:
+                        self._load_target.load = None
             except Exception as e:
                 self._apply_error = f"copying {len(tensors)} tensors into the model failed: {type(e).__name__}: {e}"
                 raise
@@ -421,6 +455,28 @@ class WeightManager:
                 if error:
                     raise RuntimeError(f"weight_version {weight_version} not applied: an earlier bucket failed: {error}")
                 sched.weight_version = str(weight_version)
+
+        def load(named: dict[str, Any]) -> None:
+            # Flat views on both sides (a received bucket arrives as 1-D parts): one fused copy.
+            pairs = [(params[n].view(-1), t.reshape(-1)) if params[n].is_contiguous()
+                     else (params[n], t.reshape(params[n].shape)) for n, t in named.items()]
+            same = [(p, t) for p, t in pairs if p.dtype == t.dtype]
+            if side is not None:  # after the forwards already queued (they read these weights)
+                side.wait_stream(torch.cuda.current_stream(side.device))
+            with torch.no_grad(), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+                if same:  # one fused launch for the bucket instead of one copy per tensor
+                    torch._foreach_copy_([p for p, _ in same], [t for _, t in same])
+                for p, t in pairs:
+                    if p.dtype != t.dtype:
+                        p.copy_(t)  # casts to the engine's dtype
+            if side is not None:
+                for _, t in pairs:  # the caching allocator must not reuse them before the copy ran
+                    if t.is_cuda:
+                        t.record_stream(side)
+                if final or not sched.paused:  # forwards (or reads) may follow
+                    torch.cuda.current_stream(side.device).wait_stream(side)
+                if drain:
+                    side.synchronize()
 
         if self.runner.device.type == "cuda" and weight_version is not None:
             # A version's last bucket is answered only once its copy is queued; paused for a push,

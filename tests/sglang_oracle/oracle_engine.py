@@ -52,11 +52,13 @@ class _RecordingModel:
         import torch
 
         self.received: dict[str, "torch.Tensor"] = {}
+        self.storages: dict[str, list[int]] = {}  # per name, the storage each load got (its C pointer)
         self._dummy = torch.nn.Linear(1, 1)
 
     def load_weights(self, named) -> None:
         for name, t in named:
             self.received[name] = t.detach().clone()
+            self.storages.setdefault(name, []).append(t.untyped_storage()._cdata)
 
     def modules(self):  # SGLang's updater scans modules for derived-weight caches
         return iter([self._dummy])
@@ -67,7 +69,8 @@ class _RecordingModel:
     def summary(self) -> dict:
         return {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                     "sha256": hashlib.sha256(t.contiguous().view(-1).view(__import__("torch").uint8)
-                                             .numpy().tobytes()).hexdigest()}
+                                             .numpy().tobytes()).hexdigest(),
+                    "storages": self.storages.get(n, [])}
                 for n, t in self.received.items()}
 
 
@@ -89,7 +92,8 @@ def tp_rank_main(rank: int, tp_size: int, store_port: int, server_argv: list[str
     rc.get_parallel().override_permanently(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD),
                                            tp_rank=rank, tp_size=tp_size)
     model = _RecordingModel()
-    updater = WeightUpdater(tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+    updater = WeightUpdater(tp_rank=rank, device="cpu", gpu_id=0, model_config=None,
+                            custom_weight_loaders=server_args.custom_weight_loader or [],
                             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
                             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
     runner = types.SimpleNamespace(weight_updater=updater)
@@ -334,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--admin-api-key", default=None)
+    ap.add_argument("--custom-weight-loader", nargs="*", default=None, help="SGLang's flag, passed to its ServerArgs")
     ap.add_argument("--without-session-routes", action="store_true",
                     help="serve as SGLang before 0.5.22 did: no /begin_weight_update or /end_weight_update "
                          "(404), and loads need no session (each TP rank holds one open from the start)")
@@ -343,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     sg = import_sglang()
     server_argv = ["--model-path", a.model_path, "--host", a.host, "--port", str(a.port),
                    "--tp-size", str(a.tp_size), "--device", "cpu"]
+    if a.custom_weight_loader:
+        server_argv += ["--custom-weight-loader", *a.custom_weight_loader]
     server_args = sg.server_args.prepare_server_args(server_argv)
     sg.server_args.set_global_server_args_for_tokenizer(server_args)
     import sglang.srt.entrypoints.http_server as hs

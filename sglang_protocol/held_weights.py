@@ -1,0 +1,108 @@
+"""A weight loader for SGLang's ``--custom-weight-loader`` that keeps what it is sent mapped.
+
+Colocated (trainer and engines on one GPU), weights reach an engine as CUDA IPC handles to the
+trainer's memory (``/update_weights_from_tensor``). The receiver rebuilds each tensor from its
+handle; torch opens the handle (``cudaIpcOpenMemHandle``) unless the same allocation is still
+mapped in that process, and closes it once the last tensor over it is freed. SGLang's own loaders
+free the tensors after copying them, so every push opens every handle again, which costs far more
+than the copy behind it.
+
+A trainer's parameters stay put between pushes (optimizers update them in place), so their handles
+are the same at every push. :func:`load_and_hold` loads like SGLang's default path
+(``model.load_weights``) and then holds the tensors it was given until the next call: at the next
+push torch finds each allocation still mapped and opens nothing; only the copies are left.
+
+What travels (:func:`pack`, read back by :func:`unpack`): one pair per *storage*, not per tensor.
+Each CUDA tensor sent costs both processes a fixed amount of work (an IPC event and a reference
+counter), however small it is, so tensors that share a storage (a trainer whose parameters live
+in one buffer per dtype: one pair for the whole model) go as that storage's bytes (a 1-D ``uint8``
+tensor over all of it) under the name ``HEADER + json``, the json listing each tensor's name,
+dtype, shape and byte offset. SGLang only requires ``(str, tensor)`` pairs of a custom loader's
+payload; this loader is the only reader of the name.
+
+How it is switched on (``--update-weight-load-format mapped``): every engine runs with
+``--custom-weight-loader sglang_protocol.held_weights.load_and_hold`` (SGLang checks that a request's
+``load_format`` is on that list before importing it; the embedded engine does the same), and the
+sender sends ``load_format`` :data:`LOADER` with the trainer's parameters themselves.
+
+Lifetimes: a held tensor keeps the trainer's allocation alive (the trainer's caching allocator
+cannot reuse a block another process holds). Only storage that lives as long as the trainer's
+model may be sent this way; the sender sends an empty list when it closes, which lets go of
+everything held.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterable
+
+import torch
+
+LOADER = "sglang_protocol.held_weights.load_and_hold"
+HEADER = "reservoir.held:"
+
+# per model (one per engine process and TP rank): the tensors of the last push
+_held: dict[int, list[Any]] = {}
+
+
+def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
+    """SGLang's custom weight loader contract, ``fn(model, named_tensors)``: load ``named_tensors``
+    with ``model.load_weights`` (SGLang's own loading: stacked projections, TP sharding, casts) and
+    hold them until the next call, so their allocations stay mapped. An empty list lets go of
+    what is held."""
+    named = list(named_tensors)
+    if not named:
+        _held.pop(id(model), None)
+        return
+    model.load_weights(unpack(named))
+    _held[id(model)] = [t for _, t in named]  # replaces the last push's: same allocations, still mapped
+
+
+def held_count(model: Any) -> int:
+    """How many tensors are held for ``model`` (for tests and diagnostics)."""
+    return len(_held.get(id(model), ()))
+
+
+def pack(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The pairs to send for ``named`` (contiguous tensors): one per storage, its whole bytes as a
+    1-D ``uint8`` tensor, named ``HEADER`` + the json of its tensors ``[name, dtype, shape, byte
+    offset]``. ValueError for a tensor that is not contiguous."""
+    groups: dict[int, tuple[torch.UntypedStorage, list]] = {}
+    for name, t in named:
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: held tensors must be contiguous")
+        st = t.untyped_storage()
+        entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size()]
+        groups.setdefault(st.data_ptr(), (st, []))[1].append(entry)
+    out = []
+    for st, entries in groups.values():
+        whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)  # [storage bytes]
+        out.append((HEADER + json.dumps(entries, separators=(",", ":")), whole))
+    return out
+
+
+def unpack(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs back from :func:`pack`'s (views into the received storages);
+    other pairs pass as they are. ValueError naming what does not fit."""
+    out = []
+    for name, t in pairs:
+        if not name.startswith(HEADER):
+            out.append((name, t))
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.uint8:
+            raise ValueError(f"{name[:60]}...: expected a 1-D uint8 tensor of a storage's bytes")
+        try:
+            entries = json.loads(name[len(HEADER):])
+            for n, dtype_name, shape, offset in entries:
+                dtype = getattr(torch, dtype_name)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"{n}: {dtype_name!r} is not a torch dtype")
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not 0 <= offset <= offset + nbytes <= t.numel() or offset % dtype.itemsize:
+                    raise ValueError(f"{n}: bytes [{offset}, {offset + nbytes}) do not fit a storage of "
+                                     f"{t.numel()} bytes aligned to {dtype}")
+                out.append((n, t[offset:offset + nbytes].view(dtype).view(shape)))
+        except (TypeError, AttributeError, json.JSONDecodeError) as e:
+            raise ValueError(f"a held-weights header that cannot be read: {type(e).__name__}: {e}") from e
+    return out
