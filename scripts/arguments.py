@@ -152,10 +152,7 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     rollout = with_engine_admin_key(rollout_settings(args, args.sglang_args))
     buffer = buffer_settings(args)
     train, megatron = train_settings(args), megatron_settings(args)
-    # trainer ranks vs. the backend's parallel layout
-    group = dataclasses.replace(group_settings_from_args(args), colocate=args.colocate)
-    if args.colocate:
-        group.validate(train, megatron)
+    group = group_settings_from_args(args, train, megatron)  # trainer ranks vs. the backend's parallel layout
     _check_launcher(args)
     _check_gpu_count(args)
     _choose_weight_transport(args)

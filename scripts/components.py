@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -118,7 +119,7 @@ class Run:
         if self.s.colocate and not self.s.debug_rollout_only:
             from weight_sync.engines import EngineMemory
 
-            self.engine_memory = EngineMemory(self.engine_urls, self._sync_settings())
+            self.engine_memory = EngineMemory(self.engine_urls, self._sync_settings)
             self.engine_memory.release()  # before the trainer builds its model; back once the weights are in
 
     def _weight_update_access(self) -> dict[str, list[str]]:
@@ -141,9 +142,11 @@ class Run:
         print("trainer ranks: " + ", ".join(f"{p['rank']}@{p['node']}" + (f" gpu {p['gpus']}" if p["gpus"] else "")
                                             for p in self.trainer.placement()), flush=True)
 
+    @functools.cached_property
     def _sync_settings(self):
         """weight_sync's settings, with what the rollout side knows: the engines' API keys and, for
-        SGLang engines started here, the dtype they serve in (pushes cast floating tensors to it)."""
+        SGLang engines started here, the dtype they serve in (pushes cast floating tensors to it).
+        Built once (it reads the model's config)."""
         from weight_sync.arguments import sglang_serving_dtype
 
         e = self.settings.rollout.engines
@@ -157,7 +160,7 @@ class Run:
 
         # each engine joins the weight-update group with one rank per GPU (SGLang: rank_offset + tp_rank)
         gpus = asyncio.run(engine_gpus(self.settings.rollout, self.engine_urls))
-        sync = self._sync_settings()
+        sync = self._sync_settings
         print(f"weight sync: {sync.transport}" + (f" over {sync.backend}" if sync.transport == "distributed" else "")
               + (f", floating tensors cast to {sync.engine_dtype}" if sync.engine_dtype else ""), flush=True)
         # rank 0 records each pushed version in the buffer (its actor handle travels to the rank)

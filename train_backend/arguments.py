@@ -8,10 +8,14 @@ Shared flags defined by the rollout manager and read here: ``--hf-checkpoint``,
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from flags import add_flags, from_args
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import G_HOOKS, G_OPT, TrainSettings
+
+if TYPE_CHECKING:
+    from train_backend.megatron.arguments import MegatronSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,11 +57,13 @@ def plugin_namespace(args: argparse.Namespace) -> dict:
     return out
 
 
-def group_settings_from_args(args: argparse.Namespace) -> TrainerGroupSettings:
-    """Build :class:`TrainerGroupSettings` and check it against the backend's settings (world
-    size vs. TP x PP, a pinned device with several ranks); ``ValueError`` names the flags."""
+def group_settings_from_args(args: argparse.Namespace, train: TrainSettings | None = None,
+                             megatron: "MegatronSettings | None" = None) -> TrainerGroupSettings:
+    """Build :class:`TrainerGroupSettings` (``colocate`` from the launcher's ``--colocate``) and check
+    it against the backend's settings (world size vs. TP x PP, a pinned device with several ranks),
+    given or built here; ``ValueError`` names the flags."""
     from train_backend.megatron.arguments import settings_from_args as megatron_settings
 
-    group = from_args(TrainerGroupSettings, args)
-    group.validate(settings_from_args(args), megatron_settings(args))
+    group = from_args(TrainerGroupSettings, args, colocate=bool(getattr(args, "colocate", False)))
+    group.validate(train or settings_from_args(args), megatron or megatron_settings(args))
     return group
