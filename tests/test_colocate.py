@@ -338,6 +338,7 @@ def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/version"] == r["step"] + 1 for r in steps)
     assert all(r["weight_sync/held_tensors"] > 0 and r["weight_sync/num_buckets"] == 0 for r in steps)  # auto: mapped
+    assert all(r["weight_sync/bytes"] == steps[0]["weight_sync/bytes"] > 0 for r in steps)
     assert all(r["perf/release_memory_time"] > 0 and r["perf/resume_memory_time"] > 0 for r in steps)
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
     assert not any(k.startswith("memory/") for r in steps for k in r)  # GPU memory: on GPUs only

@@ -297,7 +297,8 @@ class WeightSender:
 
     async def _push(self, named, specs, buckets, version, progress, held=()) -> dict[str, float]:
         s = self.settings
-        total_bytes = sum(b.nbytes for b in buckets)
+        # what the engines read: the buckets, and the held tensors as the trainer holds them
+        total_bytes = sum(b.nbytes for b in buckets) + sum(named[i][1].nbytes for i in held)
         last_error: Exception | None = None
         revived = await self._revive(specs)
         await self._drop_link_if_restarted()
