@@ -3,8 +3,8 @@
 ``--rollout-dispatch router`` (the default, slime's way): every request goes to sglang-router,
 which balances the engines. ``--rollout-dispatch direct``: the manager itself sends each request
 to the live engine with the fewest samples in flight, skipping engines that just failed this
-sample; this saves the router hop (~0.2-0.7 ms of CPU per request, which is ~10% of the wall time
-of short generations on a small CPU box) and sends a retry to a different engine at once. The
+sample; this saves the router hop (CPU per request that weighs on short generations on a small
+CPU box: bench/NOTES.md, rollout) and sends a retry to a different engine at once. The
 router still runs either way: custom generate functions and outside tools use it.
 """
 

@@ -18,9 +18,8 @@ engine out of rotation that the fleet counts as live, or keep one out after the 
 
 Cost (bench/rollout.py part c, bench/NOTES.md "## rollout"): sglang-router 0.3.2 parses every
 ``/generate`` body into a typed request and re-serialises it for the engine, and passes the answer
-through. That is ~0.1 ms of router CPU per request on an idle 2-core box (0.2 ms when it shares the
-cores with busy engines), almost all of it fixed per request (HTTP in and out, malloc, loopback
-TCP): input ids cost ~0.1 us each, the answer's size nothing measurable. None of its flags
+through. Almost all of that router CPU is fixed per request (HTTP in and out, malloc, loopback
+TCP): the input ids and the answer's size add little (the numbers: bench/NOTES.md). None of its flags
 (retries, circuit breaker, log level, worker threads) moves that by more than the noise.
 """
 

@@ -71,7 +71,7 @@ class SerialThread:
     """One daemon thread that runs blocking calls in the order they were submitted.
 
     For the collectives of one weight-update group: they must be issued in order, and a thread
-    kept for the group saves starting one per bucket (~0.1 ms each, on a push of a few ms).
+    kept for the group saves starting one per bucket, a cost that counts on a push of a few ms.
     A daemon thread, so a call stuck on a dead peer can be abandoned (see ``in_thread``).
     """
 

@@ -129,8 +129,8 @@ class ModelRunner:
 
     def _attention(self) -> contextlib.AbstractContextManager:
         """SDPA kernels for the engine's forwards. On CUDA, not cuDNN's: it builds a graph per new
-        shape, and the KV length is new at every decode step (bf16 on an H200: ~24 ms of CPU per
-        attention call, a 64-row toy decode step 43 ms; flash/memory-efficient kernels need none)."""
+        shape, and the KV length is new at every decode step, so every attention call would pay
+        for a graph build on the CPU (flash/memory-efficient kernels need none)."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         return sdpa_kernel(_SDPA_NO_CUDNN)

@@ -8,8 +8,8 @@ Sampling is by inverse CDF: one uniform variate per row and step, located in the
 cumulative sum of probabilities in two levels (float64 sums of blocks of the vocabulary, then a
 cumulative sum inside the one block it falls in). That reads the ``[B, V]`` probabilities once
 more after the exp and draws B random numbers, where an exponential race (``argmax(p / E)``)
-or ``torch.multinomial`` draws V per row: on CPU at B=64 and a 152k vocabulary, ~40 ms per
-step instead of ~320 ms. The log-prob of the chosen token is ``z[tok] - logsumexp(z)`` with the
+or ``torch.multinomial`` draws V per row, several times slower on the CPU at a large vocabulary.
+The log-prob of the chosen token is ``z[tok] - logsumexp(z)`` with the
 ``logsumexp`` from the same pass, so no ``[B, V]`` log-softmax is materialised. A request with a
 ``sampling_seed`` owns a ``torch.Generator`` that only it advances (one draw per step), so its
 output does not depend on its batch mates.

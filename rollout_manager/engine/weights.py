@@ -82,8 +82,8 @@ class _ReceiveBuffers:
     """CPU: flat receive buffers kept across buckets and pushes.
 
     A fresh multi-MB allocation comes back from the OS as new pages, and faulting them in during a
-    gloo receive cost as much as the transfer itself (243 MiB on the 2-core VM: 69-110 ms into a
-    reused buffer, 142-176 ms into a fresh one). Two slots, so bucket k+1 can arrive while bucket
+    gloo receive costs about as much as the transfer itself (measured: bench/NOTES.md,
+    weight_sync on the CPU). Two slots, so bucket k+1 can arrive while bucket
     k is still being copied into the model; a slot is free again once its copy has run. When both
     are busy a fresh buffer is used (never a wait). Costs up to two buckets of resident memory.
     """
