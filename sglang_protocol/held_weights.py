@@ -67,13 +67,13 @@ def held_count(model: Any) -> int:
 def pack(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The pairs to send for ``named`` (contiguous tensors): one per storage, its whole bytes as a
     1-D ``uint8`` tensor, named ``HEADER`` + the json of its tensors ``[name, dtype, shape, byte
-    offset]``. ValueError for a tensor that is not contiguous."""
+    offset, position in named]``. ValueError for a tensor that is not contiguous."""
     groups: dict[int, tuple[torch.UntypedStorage, list]] = {}
-    for name, t in named:
+    for i, (name, t) in enumerate(named):
         if not t.is_contiguous():
             raise ValueError(f"{name}: held tensors must be contiguous")
         st = t.untyped_storage()
-        entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size()]
+        entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size(), i]
         groups.setdefault(st.data_ptr(), (st, []))[1].append(entry)
     out = []
     for st, entries in groups.values():
@@ -83,26 +83,40 @@ def pack(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]
 
 
 def unpack(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs back from :func:`pack`'s (views into the received storages);
-    other pairs pass as they are. ValueError naming what does not fit."""
-    out = []
+    """``(name, tensor)`` pairs back from :func:`pack`'s (views into the received storages), in the
+    order they were packed (loaders may rely on it, e.g. to stack q/k/v); other pairs pass as they
+    are, after those. ValueError naming what does not fit."""
+    out, plain = [], []
     for name, t in pairs:
         if not name.startswith(HEADER):
-            out.append((name, t))
+            plain.append((name, t))
             continue
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.uint8:
             raise ValueError(f"{name[:60]}...: expected a 1-D uint8 tensor of a storage's bytes")
         try:
             entries = json.loads(name[len(HEADER):])
-            for n, dtype_name, shape, offset in entries:
+            typed: dict[torch.dtype, torch.Tensor] = {}  # the storage as each dtype (whole elements)
+            for n, dtype_name, shape, offset, position in entries:
                 dtype = getattr(torch, dtype_name)
                 if not isinstance(dtype, torch.dtype):
                     raise ValueError(f"{n}: {dtype_name!r} is not a torch dtype")
-                nbytes = math.prod(shape) * dtype.itemsize
-                if not 0 <= offset <= offset + nbytes <= t.numel() or offset % dtype.itemsize:
+                size = dtype.itemsize
+                nbytes = math.prod(shape) * size
+                if not 0 <= offset <= offset + nbytes <= t.numel() - t.numel() % size or offset % size:
                     raise ValueError(f"{n}: bytes [{offset}, {offset + nbytes}) do not fit a storage of "
                                      f"{t.numel()} bytes aligned to {dtype}")
-                out.append((n, t[offset:offset + nbytes].view(dtype).view(shape)))
+                if dtype not in typed:
+                    typed[dtype] = t[:t.numel() - t.numel() % size].view(dtype)
+                out.append((position, n, typed[dtype].as_strided(shape, _contiguous_strides(shape), offset // size)))
         except (TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"a held-weights header that cannot be read: {type(e).__name__}: {e}") from e
-    return out
+    out.sort(key=lambda x: x[0])
+    return [(n, v) for _, n, v in out] + plain
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]

@@ -167,7 +167,17 @@ def test_flat_parameters_go_as_one_handle(toy_model_dir):
     got = dict(held_weights.unpack(deserialize(serialize(pairs))))
     assert list(got) == [n for n, _ in named] and all(torch.equal(got[n], p) for n, p in named)
     with pytest.raises(ValueError, match="do not fit a storage"):
-        held_weights.unpack([(held_weights.HEADER + '[["x","float32",[4],0]]', torch.zeros(8, dtype=torch.uint8))])
+        held_weights.unpack([(held_weights.HEADER + '[["x","float32",[4],0,0]]', torch.zeros(8, dtype=torch.uint8))])
+    # mixed dtypes: one storage each, every tensor back under its name and in the order packed
+    mixed = torch.nn.Module()
+    for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]):
+        mixed.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(3, i + 1).to(dt)))
+    flatten_parameters(mixed)
+    named = list(mixed.named_parameters())
+    pairs = held_weights.pack([(n, p.detach()) for n, p in named])
+    back = held_weights.unpack(deserialize(serialize(pairs)))
+    assert len(pairs) == 2 and [n for n, _ in back] == [n for n, _ in named]
+    assert all(torch.equal(a, p) and a.dtype == p.dtype for (_, a), (_, p) in zip(back, named))
 
 
 def test_resolve_transport_table():
