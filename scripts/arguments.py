@@ -327,14 +327,14 @@ def _choose_weight_transport(args: argparse.Namespace) -> None:
     """Resolve --update-weight-transport / --update-weight-backend ``auto`` from where the trainer
     and the engines run (``weight_sync.arguments.resolve_transport``), refusing what cannot work."""
     from weight_sync.arguments import Placement, resolve_transport
+    from weight_sync.interfaces import resolve_load_format
 
     if args.debug_rollout_only or args.debug_train_only:  # no push
         return
     where = Placement(trainer="cuda" if args.train_device.startswith("cuda") else "cpu",
                       engines=_engine_device(args), colocated=args.colocate, shared_gpu=_shared_gpu(args))
     transport, backend = resolve_transport(args.update_weight_transport, args.update_weight_backend, where)
-    if args.update_weight_load_format == "auto":  # mapped where the engines can hold the trainer's tensors
-        args.update_weight_load_format = "mapped" if transport == "tensor" else "flattened_bucket"
+    args.update_weight_load_format = resolve_load_format(args.update_weight_load_format, transport)
     if args.update_weight_load_format == "mapped" and transport != "tensor":
         raise ValueError(f"--update-weight-load-format mapped hands the engines handles they keep mapped, which "
                          f"needs --colocate (--update-weight-transport tensor); this run's transport is {transport}")

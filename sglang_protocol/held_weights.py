@@ -39,6 +39,8 @@ from typing import Any, Iterable
 
 import torch
 
+from sglang_protocol.buckets import dtype_name, parse_dtype
+
 LOADER = "sglang_protocol.held_weights.load_and_hold"
 HEADER = "reservoir.held:"
 
@@ -59,11 +61,6 @@ def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
     _held[id(model)] = [t for _, t in named]  # replaces the last push's: same allocations, still mapped
 
 
-def held_count(model: Any) -> int:
-    """How many tensors are held for ``model`` (for tests and diagnostics)."""
-    return len(_held.get(id(model), ()))
-
-
 def pack(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The pairs to send for ``named`` (contiguous tensors): one per storage, its whole bytes as a
     1-D ``uint8`` tensor, named ``HEADER`` + the json of its tensors ``[name, dtype, shape, byte
@@ -73,7 +70,7 @@ def pack(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]
         if not t.is_contiguous():
             raise ValueError(f"{name}: held tensors must be contiguous")
         st = t.untyped_storage()
-        entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size(), i]
+        entry = [name, dtype_name(t.dtype), list(t.shape), t.storage_offset() * t.element_size(), i]
         groups.setdefault(st.data_ptr(), (st, []))[1].append(entry)
     out = []
     for st, entries in groups.values():
@@ -96,10 +93,11 @@ def unpack(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
         try:
             entries = json.loads(name[len(HEADER):])
             typed: dict[torch.dtype, torch.Tensor] = {}  # the storage as each dtype (whole elements)
-            for n, dtype_name, shape, offset, position in entries:
-                dtype = getattr(torch, dtype_name)
-                if not isinstance(dtype, torch.dtype):
-                    raise ValueError(f"{n}: {dtype_name!r} is not a torch dtype")
+            for n, dtype_str, shape, offset, position in entries:
+                try:
+                    dtype = parse_dtype(dtype_str)
+                except ValueError as e:
+                    raise ValueError(f"{n}: {e}") from e
                 size = dtype.itemsize
                 nbytes = math.prod(shape) * size
                 if not 0 <= offset <= offset + nbytes <= t.numel() - t.numel() % size or offset % size:

@@ -151,12 +151,9 @@ class WeightSyncSettings:
         if self.engine_dtype is not None and not is_float_dtype(self.engine_dtype):
             raise SettingError("engine_dtype", f"{self.engine_dtype!r}: expected a floating-point dtype name")
 
-    def resolved_load_format(self, transport: str | None = None) -> str:
-        """``load_format`` with ``auto`` resolved for ``transport`` (default: this one resolved):
-        ``mapped`` with the tensor transport, else ``flattened_bucket``."""
-        if self.load_format != "auto":
-            return self.load_format
-        return "mapped" if (transport or self.resolved_transport()) == "tensor" else "flattened_bucket"
+    def resolved_load_format(self) -> str:
+        """``load_format`` with ``auto`` resolved for this transport (:func:`resolve_load_format`)."""
+        return resolve_load_format(self.load_format, self.resolved_transport())
 
     def resolved_transport(self) -> str:
         """``distributed``, ``disk`` or ``tensor`` (``auto`` without the launcher's resolution:
@@ -193,6 +190,14 @@ class TensorSpec:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's payloads carry)."""
     return str(dtype).removeprefix("torch.")
+
+
+def resolve_load_format(load_format: str, transport: str) -> str:
+    """``auto`` -> ``mapped`` with the tensor transport (engines can hold the trainer's tensors),
+    else ``flattened_bucket``; an explicit format is kept."""
+    if load_format != "auto":
+        return load_format
+    return "mapped" if transport == "tensor" else "flattened_bucket"
 
 
 def is_float_dtype(name: str) -> bool:

@@ -25,7 +25,7 @@ import torch
 from sglang_protocol.client import EngineClient
 from sglang_protocol.net import free_port
 from weight_sync._loop import SerialThread, in_thread
-from sglang_protocol import held_weights, tensor_update
+from sglang_protocol import tensor_update
 from sglang_protocol.buckets import flatten_bucket, parse_dtype, unflatten_bucket
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.plan import Bucket
@@ -176,16 +176,17 @@ def fill_cast(flat: torch.Tensor, ts: list[torch.Tensor], dtype: torch.dtype) ->
     return flat
 
 
-async def send_tensor_bucket(channel: TensorChannel, members: list[tuple[str, int, EngineClient]], obj: Any,
+async def send_tensor_bucket(load_format: str | None, members: list[tuple[str, int, EngineClient]], obj: Any,
                              settings: WeightSyncSettings, weight_version: str | None, flush_cache: bool,
                              after_issue: Callable[[], None] | None = None) -> None:
-    """POST ``/update_weights_from_tensor`` with ``obj`` (from ``TensorChannel.pack``) to every
-    member, serialised once per TP rank; returns when every engine has answered, i.e. has copied
-    the bucket. ``after_issue()`` runs once the requests are out, while the answers are awaited.
-    PushFailed naming each engine (or the trainer, if serialising failed) that failed."""
-    fmt = tensor_update.FLATTENED if channel.flattened else None
+    """POST ``/update_weights_from_tensor`` with ``obj`` (from ``TensorChannel.pack``, or
+    ``held_weights.pack``'s pairs with its loader as ``load_format``) to every member, serialised
+    once per TP rank; returns when every engine has answered, i.e. has copied the tensors.
+    ``after_issue()`` runs once the requests are out, while the answers are awaited. PushFailed
+    naming each engine (or the trainer, if serialising failed) that failed."""
     try:
-        bodies = [tensor_update.request_body(obj, g, fmt, flush_cache, weight_version) for _, g, _ in members]
+        bodies = [tensor_update.request_body(obj, g, load_format, flush_cache, weight_version)
+                  for _, g, _ in members]
     except Exception as e:  # nothing was sent
         raise PushFailed({TRAINER: f"serialising the bucket: {type(e).__name__}: {e}"}) from e
     posts = [asyncio.ensure_future(c.update_weights_from_tensor(body, settings.timeout_s))
@@ -203,23 +204,6 @@ async def send_tensor_bucket(channel: TensorChannel, members: list[tuple[str, in
     failed = _failures([u for u, _, _ in members], outs, "update_weights_from_tensor")
     if failed:
         raise PushFailed(failed)
-
-
-async def send_held_tensors(peers: list[tuple[str, int, EngineClient]], pairs: list, settings: WeightSyncSettings,
-                     weight_version: str | None) -> None:
-    """One ``/update_weights_from_tensor`` per engine with handles to ``pairs`` themselves and the
-    held-weights loader as ``load_format``; PushFailed naming each engine that failed."""
-    try:
-        bodies = [tensor_update.request_body(pairs, g, held_weights.LOADER, weight_version is not None and
-                               settings.pause_mode != "in_place", weight_version) for _, g, _ in peers]
-    except Exception as e:  # nothing was sent
-        raise PushFailed({TRAINER: f"serialising the held tensors: {type(e).__name__}: {e}"}) from e
-    outs = await asyncio.gather(*(c.update_weights_from_tensor(b, settings.timeout_s)
-                                  for (_, _, c), b in zip(peers, bodies)), return_exceptions=True)
-    failed = _failures([u for u, _, _ in peers], outs, "update_weights_from_tensor")
-    if failed:
-        raise PushFailed(failed)
-
 
 
 async def open_link(settings: WeightSyncSettings, members: list[tuple[str, int, EngineClient]], name: str) -> Link:

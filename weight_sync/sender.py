@@ -52,14 +52,14 @@ from typing import Callable
 
 import torch
 
-from sglang_protocol import held_weights
+from sglang_protocol import held_weights, tensor_update
 from sglang_protocol.client import EngineClient, normalize_url
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
 from weight_sync.link import (Link, PushFailed, TensorChannel, abort_link, close_link, open_link, send_bucket,
-                              send_held_tensors, send_tensor_bucket, wait_transfer)
+                              send_tensor_bucket, wait_transfer)
 from weight_sync.plan import Bucket, check_against_engine, check_tensors, plan_buckets, push_specs
 
 logger = logging.getLogger(__name__)
@@ -460,7 +460,9 @@ class WeightSender:
             pairs = held_weights.pack([(named[i][0], named[i][1].detach()) for i in held])
             if pairs[0][1].is_cuda:  # an engine that finds these storages mapped already waits for no
                 torch.cuda.synchronize(pairs[0][1].device)  # event of ours: the trainer's writes end first
-            await send_held_tensors(peers, pairs, s, weight_version=None if buckets else str(version))
+            last = not buckets
+            await send_tensor_bucket(held_weights.LOADER, peers, pairs, s, weight_version=str(version) if last else None,
+                                     flush_cache=last and s.pause_mode != "in_place")
             self._mark("held")
         if not buckets:
             return time.perf_counter() - t
@@ -474,7 +476,8 @@ class WeightSender:
             def pack_next(i: int = i) -> None:
                 pending.append(self._pack_tensors(named, buckets[i + 1]))
             try:
-                await send_tensor_bucket(self._channel, peers, obj, s, weight_version=str(version) if last else None,
+                await send_tensor_bucket(tensor_update.FLATTENED if self._channel.flattened else None, peers, obj, s,
+                                         weight_version=str(version) if last else None,
                                          flush_cache=last and s.pause_mode != "in_place",
                                          after_issue=None if last else pack_next)
             except BaseException:
@@ -602,7 +605,7 @@ async def _release_held(members: list[EngineState], settings: WeightSyncSettings
     try:
         await call_all(members, lambda c: c.begin_weight_update(settings.timeout_s), "begin_weight_update")
         try:
-            await send_held_tensors(peers, [], settings, None)
+            await send_tensor_bucket(held_weights.LOADER, peers, [], settings, None, flush_cache=False)
         finally:
             await _end_session(members, settings.timeout_s)
     except Exception as e:
