@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollout_manager.engine import EngineSettings, launch_engine_process  # noqa: E402
+from embedded_engine import EngineSettings, launch_engine_process  # noqa: E402
 from sglang_protocol.client import EngineClient  # noqa: E402
 
 
@@ -153,7 +153,7 @@ def profile_step(path: Path, rows: int, steps: int, threads: int) -> dict:
     forward vs transformers' modules, interleaved; and where the native step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout_manager.engine.model_runner import ModelRunner
+    from embedded_engine.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
     prompts = make_prompts(rows, 0)

@@ -3,7 +3,7 @@
 (a) Client throughput against a server that answers at once, in its own process, 512 requests in
     flight: our client (``EngineClient`` on aiohttp + orjson), plain aiohttp, and httpx. Two
     servers: a minimal asyncio HTTP server (the client is the bottleneck: what we measure) and
-    ``rollout_manager.instant_engine`` (aiohttp's server: the realistic case; on 2 cores the
+    ``embedded_engine.instant`` (aiohttp's server: the realistic case; on 2 cores the
     server and the client share them). Target: >= 3000 requests/s on a 2-core machine.
 (b) The whole manager (router, rewards, grouping) against calling the same engines directly with
     the same concurrency, on the toy model with the embedded engine, greedy so both do the same
@@ -126,7 +126,7 @@ def serve_fast(port: int) -> None:
 def part_a(model: Path, total: int, inflight: int, repeats: int, fast: bool) -> dict[str, float]:
     port = free_port()
     cmd = ([sys.executable, __file__, "--serve-fast", str(port)] if fast else
-           [sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port), "--model-path", str(model)])
+           [sys.executable, "-m", "embedded_engine.instant", "--port", str(port), "--model-path", str(model)])
     proc = subprocess.Popen(cmd, cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -341,13 +341,13 @@ def part_c(model: Path, prompt_len: int, max_len: int, total: int, inflight: int
     procs, urls = [], []
     for _ in range(2):
         port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port),
+        procs.append(subprocess.Popen([sys.executable, "-m", "embedded_engine.instant", "--port", str(port),
                                        "--model-path", str(model), "--num-tokens", str(max_len)], cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in ROUTER_VARIANTS}
     try:
-        from rollout_manager.engine.launch import wait_healthy
+        from embedded_engine.launch import wait_healthy
         for u in urls:
             wait_healthy(u, 60, None)
         for _ in range(repeats):

@@ -5,7 +5,7 @@
                                                  # 0.5B / 1.5B / 7B llama-family shapes, bf16
 
 For each weight set: write a random-weight HF checkpoint, start one embedded engine
-(``python -m rollout_manager.engine``) on it, connect a ``WeightSender`` and time ``--repeats``
+(``python -m embedded_engine``) on it, connect a ``WeightSender`` and time ``--repeats``
 pushes after a warm-up; then one more push of changed values (every weight negated), the way
 the timed ones are sent, followed by a per-tensor checksum comparison with the engine, so the
 numbers are for pushes that really land. Then the ceiling: a bare broadcast of the same bytes from the trainer process to a
@@ -88,10 +88,10 @@ def write_checkpoint(name: str, named, out: Path) -> Path:
 
 def start_engine(model: Path, device: str, port: int, timeout: float = 600.0,
                  extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """``python -m rollout_manager.engine`` on ``model`` (plus ``extra`` flags); waits for /health."""
+    """``python -m embedded_engine`` on ``model`` (plus ``extra`` flags); waits for /health."""
     import urllib.request
 
-    cmd = [sys.executable, "-m", "rollout_manager.engine", "--model-path", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "embedded_engine", "--model-path", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--device", device, "--dtype", "bfloat16", "--max-running-requests", "4", *extra]
     if device == "cpu":  # see main(): one torch thread per process on CPU
         cmd += ["--num-threads", "1"]

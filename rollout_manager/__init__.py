@@ -8,7 +8,7 @@ as a Ray actor) to feed the buffer. The modules, in the order data flows through
   ``settings_from_args``, ``split_sglang_args`` for the ``--sglang-*`` pass-through);
 - ``data_source``: jsonl/Parquet prompts, validated line by line; groups over epochs, resumable;
 - ``engines`` / ``placement`` / ``router``: start, monitor and restart engines (embedded, SGLang,
-  or the ``instant_engine`` benchmark stand-in), locally or in Ray placement groups, behind the
+  or ``embedded_engine.instant``, the benchmark stand-in), locally or in Ray placement groups, behind the
   real sglang-router;
 - ``generate``: the default per-sample generate (token in, token out; retries; partial rollout),
   and ``current_context()`` for custom generate functions;

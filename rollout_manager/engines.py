@@ -1,6 +1,6 @@
 """Start, monitor and restart the engines, and keep the router's worker list in step with them.
 
-Kinds (``--rollout-engine``): ``embedded`` (``python -m rollout_manager.engine``, CPU or one GPU),
+Kinds (``--rollout-engine``): ``embedded`` (``python -m embedded_engine``, CPU or one GPU),
 ``sglang`` (``python -m sglang.launch_server`` with the ``--sglang-*`` pass-through flags, one
 engine per ``--rollout-num-gpus-per-engine`` GPUs) and ``instant`` (no model: answers at once; for
 benchmarks of the client path). ``--engine-urls`` uses running servers instead (never restarted).
@@ -111,10 +111,10 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                "--nccl-port", str(ports.nccl_port), "--dist-init-addr", f"{_uri_host(host)}:{ports.dist_init_port}",
                *_with_held_loader(e.sglang_args)]
     elif e.rollout_engine == "instant":
-        cmd = [sys.executable, "-m", "rollout_manager.instant_engine", "--host", host, "--port", str(ports.port),
+        cmd = [sys.executable, "-m", "embedded_engine.instant", "--host", host, "--port", str(ports.port),
                "--model-path", model, *shlex.split(e.engine_extra_args)]
     else:
-        from rollout_manager.engine.settings import EngineSettings
+        from embedded_engine.settings import EngineSettings
         if e.rollout_num_gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
         threads = max(1, (os.cpu_count() or 1) // max(1, e.rollout_num_engines))
@@ -126,7 +126,7 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                             api_key=e.api_key, admin_api_key=e.admin_api_key,
                             custom_weight_loader=held_weights.LOADER)
         env.update(es.key_env())
-        cmd = [sys.executable, "-m", "rollout_manager.engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
+        cmd = [sys.executable, "-m", "embedded_engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
 
 

@@ -334,7 +334,12 @@ def _choose_weight_transport(args: argparse.Namespace) -> None:
     where = Placement(trainer="cuda" if args.train_device.startswith("cuda") else "cpu",
                       engines=_engine_device(args), colocated=args.colocate, shared_gpu=_shared_gpu(args))
     transport, backend = resolve_transport(args.update_weight_transport, args.update_weight_backend, where)
-    args.update_weight_load_format = resolve_load_format(args.update_weight_load_format, transport)
+    if args.offload_train_params and args.update_weight_load_format == "mapped":
+        raise ValueError("--update-weight-load-format mapped has the engines keep the trainer's parameters mapped, "
+                         "and --offload-train-params frees them between pushes: drop one (auto picks "
+                         "flattened_bucket with --offload-train-params)")
+    args.update_weight_load_format = resolve_load_format(args.update_weight_load_format, transport,
+                                                         params_move=args.offload_train_params)
     if args.update_weight_load_format == "mapped" and transport != "tensor":
         raise ValueError(f"--update-weight-load-format mapped hands the engines handles they keep mapped, which "
                          f"needs --colocate (--update-weight-transport tensor); this run's transport is {transport}")

@@ -1,5 +1,5 @@
 """Fixtures of the embedded-engine tests: a toy model and engine subprocesses started the way
-users start them (``launch_engine_process`` runs ``python -m rollout_manager.engine``).
+users start them (``launch_engine_process`` runs ``python -m embedded_engine``).
 
 Tests that open sockets must run inside a loopback-only network namespace (as CI does):
 ``unshare -n bash -c 'ip link set lo up && exec pytest -q tests/test_engine_*.py'``.
@@ -41,7 +41,7 @@ def engine_model_b(tmp_path_factory) -> Path:
 def start_engine(model: Path, **settings: Any) -> tuple[subprocess.Popen, str]:
     """An engine subprocess on a free port. One torch thread by default: on a loaded 2-core
     machine several multi-threaded processes spin against each other (10-100x slower)."""
-    from rollout_manager.engine import EngineSettings, launch_engine_process
+    from embedded_engine import EngineSettings, launch_engine_process
 
     settings.setdefault("num_threads", 1)
     return launch_engine_process(EngineSettings(model_path=str(model), port=0, **settings), timeout_s=180)

@@ -31,8 +31,8 @@ def start_engines(model: Path, n: int, ports: list[int] | None = None, weight_up
     ``weight_update_dirs``: where ``/update_weights_from_disk`` may load from besides the model."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rollout_manager.engine.launch import launch_engine_process
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.launch import launch_engine_process
+    from embedded_engine.settings import EngineSettings
 
     ports = ports or [0] * n
     with ThreadPoolExecutor(n) as ex:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -356,10 +357,12 @@ def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_colocated_launcher_run_on_one_gpu(tmp_path):
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_colocated_launcher_run_on_one_gpu(tmp_path, offload_params):
     """Issue 13 on one GPU: the toy model's trainer (fp32) and its engine (bf16) share GPU 0; pushes
     go as CUDA IPC handles cast to bf16, land exactly (checked per tensor), and each phase's memory
-    is reported."""
+    is reported. With ``--offload-train-params`` the parameters leave the GPU with the optimizer
+    state after every push and come back for the next step (the pushes then check their bytes)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import make_toy_model
@@ -369,8 +372,9 @@ def test_colocated_launcher_run_on_one_gpu(tmp_path):
     config.write_text((ROOT / "examples/gpu/grpo_colocate_1gpu.yaml").read_text()
                       .replace("use-tensorboard: true", "use-tensorboard: false"))
     t0 = time.monotonic()
+    extra = ["--offload-train-params"] if offload_params else ["--update-weight-load-format", "flattened_bucket"]
     records, stdout = _train(model, tmp_path / "gpu", str(config), "--num-rollout", "4", "--eval-interval", "4",
-                             "--check-weight-update-equal", "--update-weight-load-format", "flattened_bucket")
+                             "--check-weight-update-equal", *extra)
     print(stdout[-2000:], f"wall {time.monotonic() - t0:.1f}s")
     assert "weight sync: tensor" in stdout
     steps = [r for r in records if "train/loss" in r]
@@ -380,3 +384,9 @@ def test_colocated_launcher_run_on_one_gpu(tmp_path):
         assert all(r[f"memory/{phase}_peak_gib"] > 0 for r in steps), phase
     for r in steps:
         print({k: round(v, 4) for k, v in r.items() if k.startswith(("memory/", "perf/", "weight_sync/time"))})
+    if offload_params:  # fp32 parameters (4 bytes each) and Adam's two moments (8) came back from the host
+        from safetensors import safe_open
+
+        with safe_open(str(model / "model.safetensors"), "pt") as f:
+            numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        assert all(r["memory/offloaded_gib"] * 1024 ** 3 >= 12 * numel * 0.99 for r in steps[1:])

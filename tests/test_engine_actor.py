@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from _fixtures_engine import engine_model, run  # noqa: F401
-from rollout_manager.engine import EngineSettings
+from embedded_engine import EngineSettings
 from sglang_protocol.client import EngineClient
 
 ray = pytest.importorskip("ray")
@@ -18,7 +18,7 @@ def test_engine_actor_serves_and_shuts_down(engine_model):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     try:
-        from rollout_manager.engine.actor import start_engine_actor
+        from embedded_engine.actor import start_engine_actor
 
         handle, url = start_engine_actor(EngineSettings(model_path=str(engine_model), port=0, num_threads=1,
                                                         random_seed=0), num_cpus=1)

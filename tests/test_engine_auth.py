@@ -30,8 +30,8 @@ def _scope(method: str, path: str) -> dict:
 
 def _our_routes(model) -> set[tuple[str, str]]:
     """(method, path) of every route the embedded engine serves (its app, built without a model)."""
-    from rollout_manager.engine.server import Engine
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.server import Engine
+    from embedded_engine.settings import EngineSettings
 
     eng = Engine.__new__(Engine)  # the routing table only: no model runner, no scheduler
     eng.settings = EngineSettings(model_path=str(model))
@@ -41,7 +41,7 @@ def _our_routes(model) -> set[tuple[str, str]]:
 def test_route_levels_are_sglangs(engine_model):  # noqa: F811
     from starlette.routing import Match
 
-    from rollout_manager.engine.auth import ADMIN_OPTIONAL
+    from embedded_engine.auth import ADMIN_OPTIONAL
 
     app, auth = _sglang_auth()
     compared = 0

@@ -21,16 +21,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _scheduler(model: Path, dtype: str):
-    from rollout_manager.engine.model_runner import ModelRunner
-    from rollout_manager.engine.scheduler import Scheduler
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.model_runner import ModelRunner
+    from embedded_engine.scheduler import Scheduler
+    from embedded_engine.settings import EngineSettings
 
     runner = ModelRunner(EngineSettings(model_path=str(model), device="cuda", dtype=dtype))
     return runner, Scheduler(runner, 128, 8192, 0, "v0")
 
 
 def _generate(sched, prompts, params_list) -> list:
-    from rollout_manager.engine.scheduler import Request
+    from embedded_engine.scheduler import Request
 
     done = threading.Semaphore(0)
     reqs = [Request(f"g{i}-{time.monotonic_ns()}", p, sp, lambda r: done.release())
@@ -44,7 +44,7 @@ def _generate(sched, prompts, params_list) -> list:
 
 
 def test_cuda_fp32_matches_transformers_and_full_forward(engine_model):
-    from rollout_manager.engine.protocol import SamplingParams
+    from embedded_engine.protocol import SamplingParams
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -76,7 +76,7 @@ def test_cuda_fp32_matches_transformers_and_full_forward(engine_model):
 
 
 def test_cuda_bf16_generates(engine_model):
-    from rollout_manager.engine.protocol import SamplingParams
+    from embedded_engine.protocol import SamplingParams
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -109,8 +109,8 @@ def _decode_steps(runner, prompts, steps: int) -> tuple[list[torch.Tensor], floa
 def test_cuda_native_forward_equals_transformers_path(engine_model, tmp_path, name):
     """The native forward on CUDA against the same runner on transformers' modules: fp32 (no
     TF32) to 1e-4 through prefill and decode; bf16 close (log-probs within 0.1); step times."""
-    from rollout_manager.engine.model_runner import ModelRunner
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.model_runner import ModelRunner
+    from embedded_engine.settings import EngineSettings
     from test_engine_native import _build
 
     if not torch.cuda.is_available():

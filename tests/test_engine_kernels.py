@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, engine_model_b, hf_model, reference_logprobs, write_weights  # noqa: F401
-from rollout_manager.engine.model_runner import ModelRunner, PackedLinears
-from rollout_manager.engine.settings import EngineSettings
+from embedded_engine.model_runner import ModelRunner, PackedLinears
+from embedded_engine.settings import EngineSettings
 
 # five rows: every linear of a prefill or decode forward gets >= PackedLinears.MIN_ROWS rows
 PROMPTS = [[5, 9, 14, 3, 22], [40, 41, 8], [17], [7, 7, 30, 12], [60, 2, 33]]

@@ -1,4 +1,4 @@
-"""Embedded engine, native forward (rollout_manager/engine/native_forward.py): for tiny random
+"""Embedded engine, native forward (embedded_engine/native_forward.py): for tiny random
 llama-family models (GQA, q/k/v bias, tied and untied embeddings, RoPE scaling, Qwen3's q/k
 norms, Mistral) the runner takes the native path, and its prefill logits and decode log-probs
 equal transformers' full forward to 1e-5 in fp32 through padding, mixed lengths, a join and a
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs, write_weights  # noqa: F401  (fixtures)
-from rollout_manager.engine.model_runner import ModelRunner, PackedLinears
-from rollout_manager.engine.settings import EngineSettings
+from embedded_engine.model_runner import ModelRunner, PackedLinears
+from embedded_engine.settings import EngineSettings
 
 SMALL = dict(vocab_size=95, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -128,7 +128,7 @@ def test_native_forward_equals_transformers(models, name, monkeypatch):
 def test_accelerator_kernel_choices_equal_transformers(models, name):
     """The accelerator's code path (separate projections, one-kernel norms, SDPA decode with
     K/V repeated in prefill), run on the CPU: same numbers."""
-    from rollout_manager.engine.native_forward import NativeForward
+    from embedded_engine.native_forward import NativeForward
 
     r = _runner(models[name])
     r.native = NativeForward(r.model, None, accelerator=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs  # noqa: F401  (fixtures)
-from rollout_manager.engine.model_runner import ModelRunner
-from rollout_manager.engine.settings import EngineSettings
+from embedded_engine.model_runner import ModelRunner
+from embedded_engine.settings import EngineSettings
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_manager.engine.protocol import ProtocolError, is_batch, parse_generate, parse_generate_request
+from embedded_engine.protocol import ProtocolError, is_batch, parse_generate, parse_generate_request
 
 V = 50
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_manager.engine import sampling
-from rollout_manager.engine.protocol import SamplingParams
-from rollout_manager.engine.sampling import build_row_params, sample
+from embedded_engine import sampling
+from embedded_engine.protocol import SamplingParams
+from embedded_engine.sampling import build_row_params, sample
 
 V = 2 * sampling._BLOCK + 452  # two full blocks and a tail
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from _fixtures_engine import engine_model, greedy_taker, hf_model, reference_logprobs  # noqa: F401  (fixtures)
-from rollout_manager.engine.protocol import ProtocolError, SamplingParams, parse_generate
-from rollout_manager.engine.sampling import build_row_params, sample
-from rollout_manager.engine.settings import EngineSettings, parse_settings
+from embedded_engine.protocol import ProtocolError, SamplingParams, parse_generate
+from embedded_engine.sampling import build_row_params, sample
+from embedded_engine.settings import EngineSettings, parse_settings
 from sglang_protocol.buckets import flatten_bucket, tensor_checksum, unflatten_bucket
 
 V = 50
@@ -96,7 +96,7 @@ def test_seeded_row_does_not_depend_on_batch_mates():
 def test_runner_join_and_leave_keep_rows_exact(engine_model):
     """Rows prefilled together, a row joining mid-flight and rows leaving: every returned
     log-prob equals a full forward over that row alone."""
-    from rollout_manager.engine.model_runner import ModelRunner
+    from embedded_engine.model_runner import ModelRunner
 
     r = ModelRunner(EngineSettings(model_path=str(engine_model)))
     g = torch.Generator().manual_seed(0)
@@ -159,8 +159,8 @@ def test_scheduler_runs_a_command_inline_only_when_paused_and_idle(engine_model)
     only while generation is paused and nothing is queued; otherwise it keeps its place in line."""
     import threading
 
-    from rollout_manager.engine.model_runner import ModelRunner
-    from rollout_manager.engine.scheduler import Scheduler
+    from embedded_engine.model_runner import ModelRunner
+    from embedded_engine.scheduler import Scheduler
 
     s = Scheduler(ModelRunner(EngineSettings(model_path=str(engine_model))), 4, 4096, 0, "0")
     here = threading.current_thread()
@@ -185,7 +185,7 @@ def test_scheduler_runs_a_command_inline_only_when_paused_and_idle(engine_model)
 
 
 def test_cpu_receive_buffers_are_reused_only_once_their_copy_ran():
-    from rollout_manager.engine.weights import _ReceiveBuffers
+    from embedded_engine.weights import _ReceiveBuffers
 
     pool = _ReceiveBuffers(slots=2)
     a, free_a = pool.take(1000)

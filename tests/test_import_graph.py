@@ -18,6 +18,7 @@ LAYERS = {
     "flags": 0,  # one declaration per flag (settings fields -> argparse): imports nothing of ours
     "sglang_protocol": 0,  # SGLang's protocol, ports, JSON: imports nothing of ours
     "plugins": 0,  # the plugin loader and the built-in plugins (rewards, filters)
+    "embedded_engine": 1,  # SGLang stand-ins for CPU runs and tests: imports only sglang_protocol
     "buffer": 1,  # samples, the buffer actor; calls its filter plugin through plugins.loader
     "weight_sync": 2,
     "rollout_manager": 2,

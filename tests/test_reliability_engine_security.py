@@ -99,7 +99,7 @@ def test_run_started_embedded_engines_get_an_admin_key_through_their_environment
     from _fixtures_rollout import make_args
 
     from rollout_manager.arguments import with_engine_admin_key
-    from rollout_manager.engine.launch import wait_healthy
+    from embedded_engine.launch import wait_healthy
     from rollout_manager.engines import EnginePorts, engine_command
 
     base = ["--hf-checkpoint", str(engine_model), "--prompt-data", "unused.jsonl"]

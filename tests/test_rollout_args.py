@@ -83,7 +83,7 @@ def test_plugin_errors_at_start_up_name_flag_and_path(flag, value, msg):
     assert flag in str(e.value) and value in str(e.value)
 
 
-@pytest.mark.parametrize("module", ["rollout_manager.engine.settings", "rollout_manager.instant_engine"])
+@pytest.mark.parametrize("module", ["embedded_engine.settings", "embedded_engine.instant"])
 def test_engine_parsers_refuse_abbreviated_flags(module, capsys):
     """``--hos`` is a prefix of ``--host``: an error naming it, never taken for that flag."""
     import importlib

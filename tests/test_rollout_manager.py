@@ -182,7 +182,7 @@ def test_running_router_and_engine_urls(toy_model_dir, tmp_path):
     from sglang_protocol.net import free_port
 
     ports = [free_port(), free_port()]
-    procs = [subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(p),
+    procs = [subprocess.Popen([sys.executable, "-m", "embedded_engine.instant", "--port", str(p),
                                "--model-path", str(toy_model_dir)]) for p in ports]
     port = free_port()
     with open(tmp_path / "router.log", "wb") as log:  # a router the user runs: no control-plane keys

@@ -31,7 +31,7 @@ def test_embedded_command_line():
     _, s = make_args(["--hf-checkpoint", "/m", "--rollout-num-engines", "2",
                       "--engine-extra-args", "--max-running-requests 16"])
     cmd, env = engine_command(s, 0, EnginePorts(30002), host="10.0.0.5")
-    assert cmd[1:3] == ["-m", "rollout_manager.engine"] and cmd[-2:] == ["--max-running-requests", "16"]
+    assert cmd[1:3] == ["-m", "embedded_engine"] and cmd[-2:] == ["--max-running-requests", "16"]
     assert cmd[cmd.index("--host") + 1] == "10.0.0.5" and "CUDA_VISIBLE_DEVICES" not in env
 
 

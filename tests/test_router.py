@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rollout_manager.arguments import add_arguments
-from rollout_manager.engine.launch import wait_healthy
+from embedded_engine.launch import wait_healthy
 from sglang_protocol.client import EngineClient, EngineError
 from rollout_manager.router import Router
 from sglang_protocol.net import free_port
@@ -90,7 +90,7 @@ def test_env_reaches_the_router(tmp_path):
 @pytest.mark.parametrize("log_level", [None, "info"])
 def test_router_cpu_time_and_quiet_log(toy_model_dir, tmp_path, log_level):
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "rollout_manager.instant_engine", "--port", str(port),
+    engine = subprocess.Popen([sys.executable, "-m", "embedded_engine.instant", "--port", str(port),
                                "--model-path", str(toy_model_dir), "--num-tokens", "8"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = tmp_path / "router.log"

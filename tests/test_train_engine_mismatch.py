@@ -25,7 +25,7 @@ def _post(url: str, payload: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(toy_model_dir):
-    from rollout_manager.engine import EngineSettings, launch_engine_process
+    from embedded_engine import EngineSettings, launch_engine_process
 
     proc, url = launch_engine_process(EngineSettings(model_path=str(toy_model_dir), port=0, num_threads=1,
                                                      random_seed=0), timeout_s=120)

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _engine(model: Path, port: int = 0, device: str = "cuda:1") -> tuple:
-    from rollout_manager.engine.launch import launch_engine_process
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.launch import launch_engine_process
+    from embedded_engine.settings import EngineSettings
 
     return launch_engine_process(EngineSettings(model_path=str(model), port=port, device=device,
                                                 dtype="float32", max_running_requests=8), timeout_s=180)
@@ -101,8 +101,8 @@ def test_fp32_trainer_into_a_bf16_engine_on_the_same_gpu(ws_toy_model, transport
     """Issue 13: fp32 master weights on cuda:0 and an engine serving bf16 on cuda:0. Each bucket is
     cast on the GPU while it is packed (tensor: CUDA IPC handles; distributed: over gloo), half the
     bytes travel, and the engine holds the trainer's weights cast to bf16, bit for bit."""
-    from rollout_manager.engine.launch import launch_engine_process
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.launch import launch_engine_process
+    from embedded_engine.settings import EngineSettings
     from weight_sync.interfaces import WeightSyncSettings
     from weight_sync.sender import WeightSender
 
@@ -133,8 +133,8 @@ def test_mapped_parameters_into_a_bf16_engine_on_the_same_gpu(ws_toy_model):  # 
     optimizer does) go as handles the engine holds; it casts to bf16 while copying. After each
     push: every tensor bitwise equal to the trainer's cast to bf16, and generation. Once the sender
     closes, the engine lets go: the trainer's memory is freed when it frees its parameters."""
-    from rollout_manager.engine.launch import launch_engine_process
-    from rollout_manager.engine.settings import EngineSettings
+    from embedded_engine.launch import launch_engine_process
+    from embedded_engine.settings import EngineSettings
     from sglang_protocol.held_weights import LOADER
     from weight_sync.interfaces import WeightSyncSettings
     from weight_sync.sender import WeightSender

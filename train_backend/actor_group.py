@@ -67,6 +67,9 @@ class TrainerGroupSettings:
     colocate: bool = False  # the launcher's --colocate: rank i on GPU i of this node, beside engine i (module doc)
     offload_train: bool | None = flag(None, "keep the optimizer state (and fp32 master weights) in pinned host memory "
                                       "while the engines generate (default: on with --colocate on GPUs)")
+    offload_train_params: bool = flag(False, "with --offload-train, the model parameters wait in host memory too "
+                                      "(weight pushes then go in flattened buckets: engines cannot keep mapped "
+                                      "what the trainer frees)")
 
     def offloads(self, train: TrainSettings) -> bool:
         """Whether the ranks keep their optimizer state on the host while the engines generate."""
@@ -104,6 +107,9 @@ class TrainerGroupSettings:
         if self.offload_train and not train.device.startswith("cuda"):
             raise ValueError(f"--offload-train with --train-device {train.device}: it moves optimizer state from the "
                              "GPU to the host; there is nothing to move on the CPU")
+        if self.offload_train_params and not self.offloads(train):
+            raise ValueError("--offload-train-params moves the parameters with the optimizer state: it needs "
+                             "--offload-train (on by default with --colocate on GPUs)")
         if self.colocate and ":" in train.device:
             raise ValueError(f"--colocate with --train-device {train.device}: colocation puts rank i on engine i's "
                              f"GPU itself; use --train-device {train.device.split(':')[0]}")
@@ -122,7 +128,7 @@ class TrainerRank:
         self.backend: Any = None
         self.sender: Any = None
         self.cuda = False  # reports per-phase GPU memory (module docstring)
-        self.offload: Any = None  # --offload-train: train_backend.offload.OptimizerOffload
+        self.offload: Any = None  # --offload-train: train_backend.offload.TrainOffload
         self.train: TrainSettings | None = None
 
     def address(self) -> tuple[str, int]:
@@ -141,7 +147,7 @@ class TrainerRank:
         return {"rank": self.rank, "node": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
 
     def setup(self, master: tuple[str, int], train: TrainSettings, megatron: "MegatronSettings | None",
-              offload: bool = False) -> None:
+              offload: bool = False, offload_params: bool = False) -> None:
         """Join the default process group (several ranks) and build the backend.
 
         The torch backend shards with FSDP2 when it finds an initialised group of > 1 ranks; the
@@ -167,9 +173,10 @@ class TrainerRank:
                                     timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
         self.backend = create_backend(train, megatron)
         if offload:
-            from train_backend.offload import OptimizerOffload
+            from train_backend.offload import TrainOffload
 
-            self.offload = OptimizerOffload(self.backend.optimizer, list(self.backend.model.parameters()))
+            self.offload = TrainOffload(self.backend.optimizer, list(self.backend.model.parameters()),
+                                        params=offload_params)
 
     # --- the TrainBackend methods, on this rank ------------------------------------------------
     def train_step(self, groups: list[list["Sample"]] | None, step: int) -> dict[str, float]:
@@ -187,23 +194,25 @@ class TrainerRank:
         return {**metrics, **rollout, **onload, **self._memory_phase("train")}
 
     def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
-        return self.backend.compute_log_probs(samples)
+        with self._state_on_device():
+            return self.backend.compute_log_probs(samples)
 
     def save(self, path: str) -> None:
-        with self._optimizer_on_device():
+        with self._state_on_device():
             self.backend.save(path)
 
     def load(self, path: str) -> None:
-        with self._optimizer_on_device():
+        with self._state_on_device():
             self.backend.load(path)
 
     def export_hf(self, path: str) -> None:
-        self.backend.export_hf(path)
+        with self._state_on_device():
+            self.backend.export_hf(path)
 
     @contextlib.contextmanager
-    def _optimizer_on_device(self) -> Iterator[None]:
-        """An offloaded optimizer state back where the backend keeps it, for a checkpoint's save or
-        load; offloaded again after."""
+    def _state_on_device(self) -> Iterator[None]:
+        """An offloaded optimizer state (and parameters) back where the backend keeps them, for a
+        checkpoint's save or load, an export or log-probs outside a step; offloaded again after."""
         offloaded = self.offload is not None and self.offload.offloaded
         if offloaded:
             self.offload.onload()
@@ -324,7 +333,8 @@ class TrainerGroup:
         try:
             master = self._gather([self.ranks[0].address.remote()], "start")[0]
             offload = self.settings.offloads(train)
-            self._gather([r.setup.remote(master, train, megatron, offload) for r in self.ranks], "setup")
+            self._gather([r.setup.remote(master, train, megatron, offload, self.settings.offload_train_params)
+                          for r in self.ranks], "setup")
         except BaseException:
             self.close()
             raise

@@ -192,12 +192,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_load_format(load_format: str, transport: str) -> str:
+def resolve_load_format(load_format: str, transport: str, params_move: bool = False) -> str:
     """``auto`` -> ``mapped`` with the tensor transport (engines can hold the trainer's tensors),
-    else ``flattened_bucket``; an explicit format is kept."""
+    unless the trainer's parameters move between pushes (``--offload-train-params``), else
+    ``flattened_bucket``; an explicit format is kept."""
     if load_format != "auto":
         return load_format
-    return "mapped" if transport == "tensor" else "flattened_bucket"
+    return "mapped" if transport == "tensor" and not params_move else "flattened_bucket"
 
 
 def is_float_dtype(name: str) -> bool:

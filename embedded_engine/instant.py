@@ -11,7 +11,7 @@ its own rid (``f"{rid}_{i}"``). An aborted request returns half of its tokens wi
 ``abort`` (as if interrupted midway), so partial rollouts can be exercised;
 ``/update_weights_from_disk`` only sets the reported ``weight_version``.
 
-    python -m rollout_manager.instant_engine --port 30001 --model-path DIR [--delay 0.01]
+    python -m embedded_engine.instant --port 30001 --model-path DIR [--delay 0.01]
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def build_app(engine: InstantEngine) -> web.Application:
 
 def build_parser() -> argparse.ArgumentParser:
     """The instant engine's flags (no abbreviations: a prefix of a flag is an error, not that flag)."""
-    ap = argparse.ArgumentParser(prog="python -m rollout_manager.instant_engine", allow_abbrev=False,
+    ap = argparse.ArgumentParser(prog="python -m embedded_engine.instant", allow_abbrev=False,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)

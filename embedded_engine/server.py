@@ -384,7 +384,7 @@ async def start_server(settings: EngineSettings, engine: Engine | None = None) -
 
 
 def serve(settings: EngineSettings) -> None:
-    """Run the server until interrupted (what ``python -m rollout_manager.engine`` does)."""
+    """Run the server until interrupted (what ``python -m embedded_engine`` does)."""
     engine = Engine(settings)  # load the model before binding the port: /health means ready
 
     async def main() -> None:

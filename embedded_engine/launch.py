@@ -1,4 +1,4 @@
-"""Start the embedded engine as a subprocess (``python -m rollout_manager.engine``)."""
+"""Start the embedded engine as a subprocess (``python -m embedded_engine``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def launch_engine_process(settings: EngineSettings, timeout_s: float = 300.0,
     env["PYTHONPATH"] = _REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(settings.key_env())
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rollout_manager.engine", *settings.to_cli()],
+        proc = subprocess.Popen([sys.executable, "-m", "embedded_engine", *settings.to_cli()],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=_REPO_ROOT)
     try:
         wait_healthy(settings.url, timeout_s, proc)

@@ -1,4 +1,4 @@
-"""``python -m rollout_manager.engine --model-path DIR --host 127.0.0.1 --port P [...]``"""
+"""``python -m embedded_engine --model-path DIR --host 127.0.0.1 --port P [...]``"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ KEY_ENV = {"api_key": "RESERVOIR_ENGINE_API_KEY", "admin_api_key": "RESERVOIR_EN
 
 @dataclass
 class EngineSettings:
-    """How to run one embedded engine (see ``python -m rollout_manager.engine --help``)."""
+    """How to run one embedded engine (see ``python -m embedded_engine --help``)."""
 
     model_path: str
     tokenizer_path: str | None = None  # None: the model path
@@ -129,7 +129,7 @@ _HELP = {
 
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser whose flags are the dataclass fields (SGLang's names)."""
-    ap = argparse.ArgumentParser(prog="python -m rollout_manager.engine", allow_abbrev=False,
+    ap = argparse.ArgumentParser(prog="python -m embedded_engine", allow_abbrev=False,
                                  description="Embedded inference engine speaking SGLang's native HTTP API.")
     for f in dataclasses.fields(EngineSettings):
         if f.name == "extra":
