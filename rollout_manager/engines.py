@@ -234,6 +234,8 @@ class EngineFleet:
                 raise
         try:
             await asyncio.gather(*(self._wait_healthy(eng, e.engine_startup_timeout) for eng in self.engines))
+            if e.engine_urls:  # they outlive runs: one whose trainer died inside a push left them paused
+                await asyncio.gather(*(self._continue(eng, e.engine_startup_timeout) for eng in self.engines))
             for eng in self.engines:
                 await self._register(eng, e.engine_startup_timeout)
             versions = await asyncio.gather(*(self._read_version(eng) for eng in self.engines))
@@ -269,6 +271,12 @@ class EngineFleet:
             engines.append(ManagedEngine(i, f"http://{_uri_host(ip)}:{ports.port}", cmd, env,
                                          log_path=self.log_dir / f"engine_{i}.log", host=host))
         return engines
+
+    async def _continue(self, eng: ManagedEngine, timeout: float) -> None:
+        """``/continue_generation`` on an engine this fleet did not start: a paused engine would hold
+        every request of the run (SGLang answers it the same whether paused or not)."""
+        async with self._client(eng.url, timeout) as c:
+            await c.continue_generation()
 
     def _client(self, url: str, timeout: float | None = None) -> EngineClient:
         e = self.settings.engines

@@ -100,3 +100,34 @@ def test_a_dead_router_is_started_again_and_gets_its_engines_back(toy_model_dir,
             await fleet.stop()
             router.stop()
     asyncio.run(go())
+
+
+def test_an_engine_a_dead_run_left_paused_serves_the_next_run(toy_model_dir, tmp_path):
+    """Engines given by --engine-urls outlive a run; one whose trainer died inside a push leaves
+    them paused (the session is the weight sender's to close: tests/test_sglang_conformance.py).
+    The next run's fleet continues them when it attaches, so its requests are served."""
+    from _fixtures_engine import start_engine, stop_process
+
+    proc, url = start_engine(toy_model_dir)
+    try:
+        async def pause() -> None:
+            async with EngineClient(url, timeout=30) as c:
+                await c.pause_generation("abort")
+        asyncio.run(pause())
+        _, settings = make_args(["--hf-checkpoint", str(toy_model_dir), "--engine-urls", url])
+
+        async def go() -> None:
+            router = Router.start(policy="round_robin", health_check_interval=1.0, log_path=tmp_path / "router.log")
+            fleet = EngineFleet(settings, router, tmp_path)
+            try:
+                await fleet.start()
+                async with EngineClient(router.url, timeout=60) as c:  # a paused engine would hold it
+                    out = await asyncio.wait_for(c.generate(input_ids=[1, 2, 3],
+                                                            sampling_params={"max_new_tokens": 2}), 30)
+                assert len(out["output_ids"]) == 2
+            finally:
+                await fleet.stop()
+                router.stop()
+        asyncio.run(go())
+    finally:
+        stop_process(proc)

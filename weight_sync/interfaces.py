@@ -13,6 +13,7 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 import torch
 
 from flags import SettingError, flag
+from sglang_protocol.buckets import dtype_name
 
 TRANSPORTS = ("auto", "distributed", "disk", "tensor")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -185,11 +186,6 @@ class TensorSpec:
     @staticmethod
     def of(name: str, t: torch.Tensor) -> "TensorSpec":
         return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's payloads carry)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def resolve_load_format(load_format: str, transport: str, params_move: bool = False) -> str:

@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from sglang_protocol import held_weights, tensor_update
-from sglang_protocol.client import EngineClient, normalize_url
+from sglang_protocol.client import EngineClient, EngineError, normalize_url
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
@@ -234,6 +234,8 @@ class WeightSender:
                                                                 admin_api_key=self.settings.admin_api_key),
                                     check_equal=self.settings.check_equal) for u, g in zip(urls, gpus)]
         await asyncio.gather(*(fetch_params(e, self.settings.timeout_s) for e in self.engines))
+        if self.settings.transport != "disk":
+            await asyncio.gather(*(_close_stale_session(e, t) for e in self.engines))
         if self.settings.transport == "tensor" and self.settings.load_format == "mapped":
             refused = await asyncio.gather(*(_check_loader_allowed(e) for e in self.engines), return_exceptions=True)
             refused = [r for r in refused if isinstance(r, BaseException)]
@@ -610,6 +612,22 @@ async def _release_held(members: list[EngineState], settings: WeightSyncSettings
             await _end_session(members, settings.timeout_s)
     except Exception as e:
         logger.warning("close: engines may still hold the trainer's tensors: %s", e)
+
+
+async def _close_stale_session(e: EngineState, timeout_s: float) -> None:
+    """Close a weight-update session a previous trainer left open on ``e`` (it died inside a push:
+    engines given by --engine-urls outlive it). SGLang refuses ``/begin_weight_update`` while one is
+    open, so this sender's first push would fail. No session open: SGLang answers "no weight-update
+    session is open" (success false), which is the common case and fine."""
+    try:
+        closed = await e.client.end_weight_update(timeout_s)
+    except EngineError as err:
+        if "no weight-update session is open" not in str(err):  # the first push reports what is wrong
+            logger.warning("engine %s: closing a stale weight-update session failed: %s", e.url, err)
+        return
+    if closed:
+        logger.warning("engine %s had a weight-update session open (a previous trainer stopped inside a push); "
+                       "closed it", e.url)
 
 
 async def _end_session(members: list[EngineState], timeout_s: float, then_continue: bool = False) -> None:
