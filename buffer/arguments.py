@@ -18,7 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> BufferSettings:
     """Build and validate the buffer's settings; ``ValueError`` names the offending flag."""
-    settings = from_args(BufferSettings, args)
-    settings.validate()
+    settings = from_args(BufferSettings, args)  # validated as it is built
     load_filter(settings)
     return settings

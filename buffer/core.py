@@ -63,7 +63,6 @@ class BufferCore:
 
     def __init__(self, settings: BufferSettings, filter_fn: Callable | None = None,
                  plugin_args: Any = None, journal: Journal | None = None) -> None:
-        settings.validate()
         self.settings = settings
         self._filter = filter_fn
         self._plugin_args = plugin_args

@@ -43,7 +43,6 @@ def create_buffer(name: str, settings: BufferSettings, plugin_args: argparse.Nam
 
     from buffer.actor import BufferActor
 
-    settings.validate()
     load_filter(settings)  # fail at start-up, in the caller, not inside the actor
     options: dict[str, Any] = dict(
         name=name, namespace=namespace, get_if_exists=True,

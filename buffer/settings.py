@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flags import flag
+from flags import SettingError, flag
 
 STALE_POLICIES = ("drop", "return")
 FILTER_PARAMS = ["args", "rollout_id", "buffer", "num_samples"]
@@ -38,24 +38,32 @@ class BufferSettings:
                                 name="--buffer-get-timeout")
     segment_bytes: int = 64 << 20  # a segment file is closed (and later deletable) past this size
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the flag of the first bad setting."""
+        """Raise :class:`flags.SettingError` naming the first bad field(s) (the flags, when built by
+        ``flags.from_args``)."""
         if self.n_samples_per_prompt is not None and self.n_samples_per_prompt < 1:
-            raise ValueError(f"--n-samples-per-prompt must be >= 1, got {self.n_samples_per_prompt}")
+            raise SettingError("n_samples_per_prompt",
+                               f"{{n_samples_per_prompt}} must be >= 1, got {self.n_samples_per_prompt}")
         if self.capacity < 1:
-            raise ValueError(f"--buffer-capacity must be >= 1, got {self.capacity}")
+            raise SettingError("capacity", f"{{capacity}} must be >= 1, got {self.capacity}")
         if not self.put_timeout_s > 0:
-            raise ValueError(f"--buffer-put-timeout must be > 0, got {self.put_timeout_s}")
+            raise SettingError("put_timeout_s", f"{{put_timeout_s}} must be > 0, got {self.put_timeout_s}")
         if not self.get_timeout_s > 0:
-            raise ValueError(f"--buffer-get-timeout must be > 0, got {self.get_timeout_s}")
+            raise SettingError("get_timeout_s", f"{{get_timeout_s}} must be > 0, got {self.get_timeout_s}")
         if self.max_weight_staleness is not None and self.max_weight_staleness < 0:
-            raise ValueError(f"--max-weight-staleness must be >= 0 (or unset), got {self.max_weight_staleness}")
+            raise SettingError("max_weight_staleness",
+                               f"{{max_weight_staleness}} must be >= 0 (or unset), got {self.max_weight_staleness}")
         if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+            raise SettingError("stale_policy", f"{{stale_policy}} must be one of {STALE_POLICIES}, got "
+                                               f"{self.stale_policy!r}")
         if self.fsync and self.persist_dir is None:
-            raise ValueError("--buffer-fsync needs --buffer-dir (there is nothing to fsync in memory)")
+            raise SettingError(("fsync", "persist_dir"),
+                               "{fsync} needs {persist_dir} (there is nothing to fsync in memory)")
         if self.segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be >= 1, got {self.segment_bytes}")
+            raise SettingError("segment_bytes", f"{{segment_bytes}} must be >= 1, got {self.segment_bytes}")
 
 
 def load_filter(settings: BufferSettings):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -128,22 +129,57 @@ def _section(parser: argparse.ArgumentParser, title: str) -> Any:
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     """``cls`` from the parsed flags; ``overrides`` set fields computed from several flags (or
-    without one). Its own checks (``__post_init__``) run as usual."""
+    without one). Its own checks run once, as it is built (``__post_init__``); a
+    :class:`SettingError` they raise comes out as the ``ValueError`` naming the flags
+    (:meth:`SettingError.naming_flag`), so no part converts its errors itself."""
     values = {f.name: getattr(args, dest(f)) for f, _ in flag_fields(cls) if f.name not in overrides}
-    return cls(**values, **overrides)
+    try:
+        return cls(**values, **overrides)
+    except SettingError as e:
+        raise e.naming_flag(cls) from None
+
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 
 
 class SettingError(ValueError):
-    """A bad setting, raised by a settings class's checks: ``field`` names it, ``message`` says
-    what is wrong (``str()``: both). Where the settings came from flags, :meth:`naming_flag` is the
-    same error naming the flag instead of the field."""
+    """A bad setting, raised by a settings class's checks, naming its fields rather than flags.
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+    ``fields``: the bad field (or a tuple of them) of the settings class; ``message``: what is
+    wrong, where ``{field_name}`` stands for any field of the class, e.g. ``"needs {lr_decay_steps}
+    > 0"`` (a small renderer, not ``str.format``: braces around anything but a name are left
+    alone). The text is ``"<fields>: <message>"``, or the message alone when it starts with one of
+    its fields, e.g. ``f"{{lr}}={self.lr} must be > 0"``. ``str()`` writes each field as its name
+    (settings built in code); :meth:`naming_flag` is the same error with each field written as its
+    flag (settings built from flags: :func:`from_args` raises that one).
+    """
+
+    def __init__(self, fields: str | tuple[str, ...], message: str) -> None:
+        self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
+        if not self.fields:
+            raise TypeError("SettingError needs at least one field")
+        self.field, self.message = self.fields[0], message  # field: the first (the one of a single-field error)
+        super().__init__(self._render(lambda name: name))
 
     def naming_flag(self, cls: type) -> ValueError:
-        try:
-            return ValueError(f"{flag_of(cls, self.field)}: {self.message}")
-        except KeyError:  # a field without a flag: its own name is the best there is
-            return ValueError(str(self))
+        """The error as a ``ValueError`` naming the flags of ``cls``'s fields (a field without a
+        flag: its own name; a placeholder naming no field of ``cls``: left as written)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+
+        def flag_or_name(name: str) -> str | None:
+            if name not in names:
+                return None
+            try:
+                return flag_of(cls, name)
+            except KeyError:  # a field without a flag: its own name is the best there is
+                return name
+
+        return ValueError(self._render(flag_or_name))
+
+    def _render(self, name: Callable[[str], str | None]) -> str:
+        """The text with each field (its placeholder, and the leading ``fields``) written by ``name``."""
+        message = _PLACEHOLDER.sub(lambda m: name(m.group(1)) or m.group(0), self.message)
+        lead = _PLACEHOLDER.match(self.message)
+        if lead and lead.group(1) in self.fields:
+            return message
+        return f"{', '.join(name(f) or f for f in self.fields)}: {message}"

@@ -225,10 +225,10 @@ def test_rewind_commits_earlier_steps():
 
 
 def test_bad_settings_name_flags():
-    for kw, flag in [({"capacity": 0}, "--buffer-capacity"), ({"put_timeout_s": 0}, "--buffer-put-timeout"),
-                     ({"max_weight_staleness": -1}, "--max-weight-staleness"),
-                     ({"stale_policy": "keep"}, "--stale-policy"), ({"fsync": True}, "--buffer-fsync"),
-                     ({"n_samples_per_prompt": 0}, "--n-samples-per-prompt")]:
+    for kw, flag in [({"capacity": 0}, "capacity"), ({"put_timeout_s": 0}, "put_timeout_s"),
+                     ({"max_weight_staleness": -1}, "max_weight_staleness"),
+                     ({"stale_policy": "keep"}, "stale_policy"), ({"fsync": True}, "fsync"),
+                     ({"n_samples_per_prompt": 0}, "n_samples_per_prompt")]:
         with pytest.raises(ValueError, match=flag):
             BufferSettings(**kw).validate()
 

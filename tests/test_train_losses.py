@@ -96,7 +96,7 @@ def test_reinforce_plus_plus_advantages_are_slimes_unwhitened_returns():
             assert torch.allclose(a * m, ret * m, rtol=0, atol=1e-12), est  # on the loss tokens
     # slime asserts --normalize-advantages with both estimators; so do the settings
     for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        with pytest.raises(ValueError, match="--normalize-advantages"):
+        with pytest.raises(ValueError, match="normalize_advantages"):
             TrainSettings(hf_checkpoint="m", advantage_estimator=est)
 
 

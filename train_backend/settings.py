@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flags import flag
+from flags import SettingError, flag
 
 BACKENDS = ("torch", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo")
@@ -125,109 +125,129 @@ class TrainSettings:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the flag of the first bad field."""
-        def choice(flag: str, value: object, allowed: tuple[str, ...]) -> None:
+        """Raise :class:`flags.SettingError` naming the first bad field(s) (the flags, when built by
+        ``flags.from_args``)."""
+        def choice(field: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, field)
             if value not in allowed:
-                raise ValueError(f"{flag}={value!r}: expected one of {', '.join(allowed)}")
+                raise SettingError(field, "{" + field + "}" + f"={value!r}: expected one of {', '.join(allowed)}")
 
-        choice("--train-backend", self.backend, BACKENDS)
-        choice("--advantage-estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        choice("--loss-agg", self.loss_agg, LOSS_AGGREGATIONS)
-        choice("--kl-loss-type", self.kl_loss_type, KL_LOSS_TYPES)
-        choice("--lr-decay-style", self.lr_decay_style, LR_DECAY_STYLES)
-        choice("--train-dtype", self.dtype, DTYPES)
-        choice("--optimizer", self.optimizer, OPTIMIZERS)
-        choice("--loss-type", self.loss_type, LOSS_TYPES)
+        choice("backend", BACKENDS)
+        choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
+        choice("loss_agg", LOSS_AGGREGATIONS)
+        choice("kl_loss_type", KL_LOSS_TYPES)
+        choice("lr_decay_style", LR_DECAY_STYLES)
+        choice("dtype", DTYPES)
+        choice("optimizer", OPTIMIZERS)
+        choice("loss_type", LOSS_TYPES)
         self._validate_slime_flags()
         if (self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
                 and not self.normalize_advantages):
             # slime asserts the same: these estimators leave the raw (or group-centred) reward unscaled
-            raise ValueError(f"--advantage-estimator={self.advantage_estimator} requires --normalize-advantages "
-                             "(whitening over the batch's loss tokens, as slime requires)")
+            raise SettingError(("advantage_estimator", "normalize_advantages"),
+                               f"{{advantage_estimator}}={self.advantage_estimator} requires {{normalize_advantages}} "
+                               "(whitening over the batch's loss tokens, as slime requires)")
         if not self.hf_checkpoint:
-            raise ValueError("--hf-checkpoint is required by the train backend")
+            raise SettingError("hf_checkpoint", "{hf_checkpoint} is required by the train backend")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"--lr={self.lr}, --min-lr={self.min_lr}: need 0 <= min-lr <= lr and lr > 0")
+            raise SettingError(("lr", "min_lr"), f"{{lr}}={self.lr}, {{min_lr}}={self.min_lr}: need 0 <= min-lr <= lr "
+                                                 "and lr > 0")
         if self.lr_warmup_steps < 0:
-            raise ValueError(f"--lr-warmup-iters={self.lr_warmup_steps} must be >= 0")
+            raise SettingError("lr_warmup_steps", f"{{lr_warmup_steps}}={self.lr_warmup_steps} must be >= 0")
         if self.lr_decay_style != "constant" and (self.lr_decay_steps is None or self.lr_decay_steps <= 0):
-            raise ValueError(f"--lr-decay-style={self.lr_decay_style} needs --lr-decay-iters > 0")
+            raise SettingError(("lr_decay_style", "lr_decay_steps"),
+                               f"{{lr_decay_style}}={self.lr_decay_style} needs {{lr_decay_steps}} > 0")
         if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad={self.clip_grad} must be >= 0 (0 = no clipping)")
+            raise SettingError("clip_grad", f"{{clip_grad}}={self.clip_grad} must be >= 0 (0 = no clipping)")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
-            raise ValueError(f"--global-batch-size={self.global_batch_size} must be > 0")
+            raise SettingError("global_batch_size", f"{{global_batch_size}}={self.global_batch_size} must be > 0")
         if self.max_tokens_per_micro_batch <= 0:
-            raise ValueError(f"--max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} must be > 0")
+            raise SettingError("max_tokens_per_micro_batch",
+                               f"{{max_tokens_per_micro_batch}}={self.max_tokens_per_micro_batch} must be > 0")
         if not 0 < self.eps_clip < 1:
-            raise ValueError(f"--eps-clip={self.eps_clip} must be in (0, 1)")
+            raise SettingError("eps_clip", f"{{eps_clip}}={self.eps_clip} must be in (0, 1)")
         if self.eps_clip_high is not None and self.eps_clip_high <= 0:
-            raise ValueError(f"--eps-clip-high={self.eps_clip_high} must be > 0")
+            raise SettingError("eps_clip_high", f"{{eps_clip_high}}={self.eps_clip_high} must be > 0")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1:
-            raise ValueError(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip bounds -A * c)")
+            raise SettingError("eps_clip_c", f"{{eps_clip_c}}={self.eps_clip_c} must be > 1 (dual clip bounds -A * c)")
         if self.loss_agg_norm_length is not None and self.loss_agg_norm_length <= 0:
-            raise ValueError(f"--loss-agg-norm-length={self.loss_agg_norm_length} must be > 0")
+            raise SettingError("loss_agg_norm_length",
+                               f"{{loss_agg_norm_length}}={self.loss_agg_norm_length} must be > 0")
         if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"--kl-loss-coef={self.kl_coef}, --entropy-coef={self.entropy_coef} must be >= 0")
+            raise SettingError(("kl_coef", "entropy_coef"),
+                               f"{{kl_coef}}={self.kl_coef}, {{entropy_coef}}={self.entropy_coef} must be >= 0")
         if self.kl_coef > 0 and not self.use_kl_loss:
-            raise ValueError(f"--kl-loss-coef={self.kl_coef} has no effect without --use-kl-loss")
+            raise SettingError(("kl_coef", "use_kl_loss"),
+                               f"{{kl_coef}}={self.kl_coef} has no effect without {{use_kl_loss}}")
         if self.tis_cap <= 0:
-            raise ValueError(f"--tis-clip={self.tis_cap} must be > 0")
+            raise SettingError("tis_cap", f"{{tis_cap}}={self.tis_cap} must be > 0")
         if self.rollout_temperature <= 0:
-            raise ValueError(f"--rollout-temperature={self.rollout_temperature} must be > 0")
+            raise SettingError("rollout_temperature", f"{{rollout_temperature}}={self.rollout_temperature} must be > 0")
 
     def _validate_slime_flags(self) -> None:
         """slime's flags whose values Reservoir cannot honour are refused here, naming why."""
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
-            raise ValueError("--loss-type custom_loss needs --custom-loss-function-path")
+            raise SettingError(("loss_type", "custom_loss_function_path"),
+                               "{loss_type} custom_loss needs {custom_loss_function_path}")
         if self.custom_loss_function_path and self.loss_type != "custom_loss":
-            raise ValueError(f"--custom-loss-function-path {self.custom_loss_function_path} is only called with "
-                             "--loss-type custom_loss (as in slime)")
+            raise SettingError(("custom_loss_function_path", "loss_type"),
+                               f"{{custom_loss_function_path}} {self.custom_loss_function_path} is only called with "
+                               "{loss_type} custom_loss (as in slime)")
         if self.custom_tis_function_path and not self.use_tis:
-            raise ValueError(f"--custom-tis-function-path {self.custom_tis_function_path} replaces the TIS weights "
-                             "and is only called with --use-tis")
+            raise SettingError(("custom_tis_function_path", "use_tis"),
+                               f"{{custom_tis_function_path}} {self.custom_tis_function_path} replaces the TIS "
+                               "weights and is only called with {use_tis}")
         if self.loss_type == "custom_loss":
-            for flag, path in (("--custom-tis-function-path", self.custom_tis_function_path),
-                               ("--custom-pg-loss-reducer-function-path", self.custom_pg_loss_reducer_function_path)):
+            for field in ("custom_tis_function_path", "custom_pg_loss_reducer_function_path"):
+                path = getattr(self, field)
                 if path:
-                    raise ValueError(f"{flag} {path} is called by the policy loss, which --loss-type custom_loss "
-                                     "replaces (as in slime, it would never be called)")
+                    raise SettingError((field, "loss_type"),
+                                       "{" + field + "}" + f" {path} is called by the policy loss, which "
+                                       "{loss_type} custom_loss replaces (as in slime, it would never be called)")
         if self.backend == "torch" and self.custom_model_provider_path:
-            raise ValueError(f"--custom-model-provider-path {self.custom_model_provider_path} builds a Megatron "
-                             "model; the torch backend trains the HF model of --hf-checkpoint: use --train-backend "
-                             "megatron")
+            raise SettingError(("custom_model_provider_path", "backend"),
+                               f"{{custom_model_provider_path}} {self.custom_model_provider_path} builds a Megatron "
+                               "model; the torch backend trains the HF model of {hf_checkpoint}: use {backend} "
+                               "megatron")
         if self.custom_convert_samples_to_train_data_path and self.custom_reward_post_process_path:
-            raise ValueError(f"--custom-reward-post-process-path {self.custom_reward_post_process_path} is called by "
-                             "the default sample conversion, which --custom-convert-samples-to-train-data-path "
-                             "replaces (as in slime, it would never be called)")
+            raise SettingError(("custom_reward_post_process_path", "custom_convert_samples_to_train_data_path"),
+                               f"{{custom_reward_post_process_path}} {self.custom_reward_post_process_path} is called "
+                               "by the default sample conversion, which {custom_convert_samples_to_train_data_path} "
+                               "replaces (as in slime, it would never be called)")
         if self.reward_kl_coef != 0:
-            raise ValueError(f"--kl-coef {self.reward_kl_coef}: in slime this is the KL penalty folded into the "
-                             "rewards of --advantage-estimator ppo / reinforce_plus_plus (a no-op for grpo), which "
-                             "Reservoir does not model; the KL loss is --use-kl-loss --kl-loss-coef")
+            raise SettingError("reward_kl_coef",
+                               f"{{reward_kl_coef}} {self.reward_kl_coef}: in slime this is the KL penalty folded into "
+                               "the rewards of {advantage_estimator} ppo / reinforce_plus_plus (a no-op for grpo), "
+                               "which Reservoir does not model; the KL loss is {use_kl_loss} {kl_coef}")
         if self.recompute_granularity is not None and self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"--recompute-granularity={self.recompute_granularity!r}: expected one of "
-                             f"{', '.join(RECOMPUTE_GRANULARITIES)}")
+            raise SettingError("recompute_granularity",
+                               f"{{recompute_granularity}}={self.recompute_granularity!r}: expected one of "
+                               f"{', '.join(RECOMPUTE_GRANULARITIES)}")
         if self.recompute_method is not None and self.recompute_method not in RECOMPUTE_METHODS:
-            raise ValueError(f"--recompute-method={self.recompute_method!r}: expected one of "
-                             f"{', '.join(RECOMPUTE_METHODS)}")
+            raise SettingError("recompute_method", f"{{recompute_method}}={self.recompute_method!r}: expected one of "
+                                                   f"{', '.join(RECOMPUTE_METHODS)}")
         if self.recompute_granularity == "full" and (self.recompute_method is None
                                                      or self.recompute_num_layers is None):
-            raise ValueError("--recompute-granularity full needs --recompute-method and --recompute-num-layers "
-                             "(as in Megatron)")
+            raise SettingError(("recompute_granularity", "recompute_method", "recompute_num_layers"),
+                               "{recompute_granularity} full needs {recompute_method} and {recompute_num_layers} "
+                               "(as in Megatron)")
         if self.backend == "torch" and self.recompute_granularity is not None and (
                 self.recompute_granularity != "full" or self.recompute_method != "uniform"
                 or self.recompute_num_layers != 1):
-            raise ValueError(f"--recompute-granularity {self.recompute_granularity} --recompute-method "
-                             f"{self.recompute_method} --recompute-num-layers {self.recompute_num_layers}: the torch "
-                             "backend recomputes whole layers, one at a time (full / uniform / 1, HF gradient "
-                             "checkpointing); other layouts need --train-backend megatron")
+            raise SettingError(("recompute_granularity", "recompute_method", "recompute_num_layers", "backend"),
+                               f"{{recompute_granularity}} {self.recompute_granularity} {{recompute_method}} "
+                               f"{self.recompute_method} {{recompute_num_layers}} {self.recompute_num_layers}: the "
+                               "torch backend recomputes whole layers, one at a time (full / uniform / 1, HF gradient "
+                               "checkpointing); other layouts need {backend} megatron")
         if self.ref_load is not None:
             from pathlib import Path
 
             if not Path(self.ref_load, "config.json").is_file():
-                raise ValueError(f"--ref-load {self.ref_load}: not an HF checkpoint (no config.json). Reservoir's "
-                                 "trainer reads HF checkpoints for the reference policy (slime's --ref-load is a "
-                                 "Megatron torch_dist checkpoint): pass the HF directory it was converted from, or "
-                                 "leave --ref-load out to use --hf-checkpoint")
+                raise SettingError("ref_load",
+                                   f"{{ref_load}} {self.ref_load}: not an HF checkpoint (no config.json). Reservoir's "
+                                   "trainer reads HF checkpoints for the reference policy (slime's {ref_load} is a "
+                                   "Megatron torch_dist checkpoint): pass the HF directory it was converted from, or "
+                                   "leave {ref_load} out to use {hf_checkpoint}")
 
     @property
     def clip_high(self) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from flags import SettingError, add_flags, from_args
+from flags import add_flags, from_args
 from weight_sync.interfaces import WeightSyncSettings
 
 POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
@@ -60,18 +60,15 @@ def settings_from_args(args: argparse.Namespace, api_key: str | None = None,
     """Build and validate WeightSyncSettings; ValueError names the offending flag. ``api_key`` /
     ``admin_api_key``: the engines' keys, from the rollout settings (the launcher passes them);
     ``engine_dtype``: what SGLang engines serve in (``sglang_serving_dtype``; None: not known)."""
-    s = from_args(WeightSyncSettings, args, api_key=api_key, admin_api_key=admin_api_key, engine_dtype=engine_dtype)
     post_write = getattr(args, "custom_update_weight_post_write_path", None)
-    if post_write and s.transport != "disk":
+    transport = args.update_weight_transport
+    if post_write and transport != "disk":
         raise ValueError(f"{POST_WRITE_FLAG} {post_write}: slime calls it after a disk weight update's files are "
-                         f"written; with --update-weight-transport {s.transport} nothing is written, so it would never "
+                         f"written; with --update-weight-transport {transport} nothing is written, so it would never "
                          "run: add --update-weight-transport disk")
     load_post_write_hook(args)  # a bad path fails here, at start-up, naming the flag
-    try:
-        s.validate()
-    except SettingError as e:
-        raise e.naming_flag(WeightSyncSettings) from None
-    return s
+    # builds and validates (WeightSyncSettings.validate); its SettingErrors come out naming the flags
+    return from_args(WeightSyncSettings, args, api_key=api_key, admin_api_key=admin_api_key, engine_dtype=engine_dtype)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,9 @@ class WeightSyncSettings:
     admin_api_key: str | None = None
     engine_dtype: str | None = None
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         """Raise :class:`flags.SettingError` naming the field of the first bad setting."""
         if self.transport not in TRANSPORTS:

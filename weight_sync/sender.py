@@ -84,7 +84,6 @@ class WeightSender:
 
     def __init__(self, settings: WeightSyncSettings, version_sink: VersionSink | None = None,
                  post_write: Callable[[str, list[str]], None] | None = None):
-        settings.validate()
         if post_write is not None and settings.transport != "disk":
             raise ValueError(f"post_write (--custom-update-weight-post-write-path) runs after the disk transport "
                              f"writes a version; transport is {settings.transport!r}")

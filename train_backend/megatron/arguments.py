@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from flags import add_flags, flag, from_args
+from flags import SettingError, add_flags, flag, from_args
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOSS_HEADS = ("auto", "unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
@@ -84,31 +84,32 @@ class MegatronSettings:
             torch_compile=cuda if self.torch_compile is None else self.torch_compile)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the flag of the first bad field."""
-        if self.tensor_model_parallel_size < 1:
-            raise ValueError(f"--tensor-model-parallel-size={self.tensor_model_parallel_size} must be >= 1")
-        if self.pipeline_model_parallel_size < 1:
-            raise ValueError(f"--pipeline-model-parallel-size={self.pipeline_model_parallel_size} must be >= 1")
-        if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(f"--make-vocab-size-divisible-by={self.make_vocab_size_divisible_by} must be >= 1")
-        if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise ValueError(f"--transformer-impl={self.transformer_impl!r}: expected one of "
-                             f"{', '.join(TRANSFORMER_IMPLS)}")
-        if self.loss_head not in LOSS_HEADS:
-            raise ValueError(f"--loss-head={self.loss_head!r}: expected one of {', '.join(LOSS_HEADS)}")
-        if self.sdpa_backend not in SDPA_BACKENDS:
-            raise ValueError(f"--sdpa-backend={self.sdpa_backend!r}: expected one of {', '.join(SDPA_BACKENDS)}")
-        for name, (only, why) in _ONLY.items():
-            if getattr(self, name) != only:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: only {only} is supported ({why})")
+        """Raise :class:`flags.SettingError` naming the first bad field(s) (the flags, when built by
+        ``flags.from_args``)."""
+        for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+            value = getattr(self, field)
+            if value < 1:
+                raise SettingError(field, "{" + field + "}" + f"={value} must be >= 1")
+        for field, allowed in (("transformer_impl", TRANSFORMER_IMPLS), ("loss_head", LOSS_HEADS),
+                               ("sdpa_backend", SDPA_BACKENDS)):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise SettingError(field, "{" + field + "}" + f"={value!r}: expected one of {', '.join(allowed)}")
+        for field, (only, why) in _ONLY.items():
+            value = getattr(self, field)
+            if value != only:
+                raise SettingError(field, "{" + field + "}" + f"={value}: only {only} is supported ({why})")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend={self.attention_backend!r}: expected one of "
-                             f"{', '.join(ATTENTION_BACKENDS)} (the local layers run torch's SDPA kernels)")
+            raise SettingError("attention_backend",
+                               f"{{attention_backend}}={self.attention_backend!r}: expected one of "
+                               f"{', '.join(ATTENTION_BACKENDS)} (the local layers run torch's SDPA kernels)")
         if self.attention_backend != "auto" and self.sdpa_backend not in ("auto", ATTENTION_BACKENDS[self.attention_backend]):
-            raise ValueError(f"--attention-backend {self.attention_backend} and --sdpa-backend {self.sdpa_backend} "
-                             "disagree: give one of them")
+            raise SettingError(("attention_backend", "sdpa_backend"),
+                               f"{{attention_backend}} {self.attention_backend} and {{sdpa_backend}} "
+                               f"{self.sdpa_backend} disagree: give one of them")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+            raise SettingError(("sequence_parallel", "tensor_model_parallel_size"),
+                               "{sequence_parallel} needs {tensor_model_parallel_size} > 1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
