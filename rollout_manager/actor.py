@@ -69,6 +69,9 @@ class RolloutManagerActor:
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         self._m.load_state_dict(state)
 
+    async def kill(self, target: str) -> None:
+        self._m.kill(target)
+
     async def shutdown(self) -> None:
         await self._m.shutdown()
 

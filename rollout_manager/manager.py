@@ -175,6 +175,18 @@ class RolloutManager:
             raise RuntimeError("RolloutManager is not started: await start() first")
         return self.ctx
 
+    def kill(self, target: str) -> None:
+        """Fault injection for the reliability tests and drills: SIGKILL the router this manager
+        started (``"router"``) or engine 0 (``"engine"``); the fleet's monitor restarts either."""
+        if self.fleet is None or self.router is None:
+            raise RuntimeError("kill: the rollout manager has not started")
+        if target == "engine":
+            self.fleet.kill(0)
+        elif target == "router" and self.router.process is not None:
+            self.router.process.kill()
+        else:
+            raise ValueError(f"kill: {target!r} is not 'router' (one this manager started) or 'engine'")
+
     async def shutdown(self) -> None:
         """Stop the engines and the router this manager started."""
         if self.fleet is not None:

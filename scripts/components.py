@@ -372,20 +372,24 @@ class Run:
         ``RESERVOIR_CRASH_AT`` is a comma-separated list of ``<point>:<step>`` (SIGKILL this driver
         there), ``buffer@<point>:<step>`` (SIGKILL the buffer actor's process, then go on) and
         ``trainer@<point>:<step>`` (kill the last trainer rank's process, then go on: the next
-        trainer call fails)."""
+        trainer call fails), ``router@<point>:<step>`` and ``engine@<point>:<step>`` (SIGKILL the
+        router, or engine 0, then go on: the fleet's monitor restarts it)."""
         import ray
 
         for spec in filter(None, os.environ.get(CRASH_ENV, "").split(",")):
             target, _, where = spec.rpartition("@")
             if where != f"{point}:{step}":
                 continue
-            if target not in ("", "buffer", "trainer"):
-                raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} (buffer, trainer, or none)")
+            if target not in ("", "buffer", "trainer", "router", "engine"):
+                raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} "
+                                 "(buffer, trainer, router, engine, or none)")
             print(f"{CRASH_ENV}: SIGKILL {target or 'driver'} at {point} of step {step}", flush=True)
             if target == "buffer":
                 os.kill(ray.get(self.buffer.ping.remote()), signal.SIGKILL)
             elif target == "trainer":
                 _kill_actor(self.trainer.ranks[-1])
+            elif target in ("router", "engine"):
+                ray.get(self.rollout.kill.remote(target))
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -90,3 +90,19 @@ def test_async_driver_and_buffer_sigkill_then_load_trains_every_group_once(toy_m
     resumed = [line for line in second.stdout.splitlines() if line.startswith("resumed from")]
     assert resumed and int(resumed[0].split(", ")[-1].split()[0]) >= 1, resumed  # rollout 5 generated again
     check_exactly_once(out, max_staleness=1)
+
+
+def test_async_router_and_engine_sigkills_mid_run_train_every_group_once(toy_model_dir, tmp_path):
+    """Async, one version of lag, two engines: the router is SIGKILLed once step 1 took its batch
+    and engine 0 once step 2 trained, each while the producer generates the next rollouts through
+    them. The fleet's monitor starts each again (the engine is back in the router only once a push
+    brought it to the current version); requests in flight fail over to the other engine or are
+    retried. The run completes without --load, every group trained once, the bound held."""
+    out = tmp_path / "faults"
+    flags = ["--max-weight-staleness", "1", "--buffer-get-timeout", "120", "--rollout-num-engines", "2",
+             "--health-check-interval", "0.5"]
+    run = train(toy_model_dir, out, tmp_path / "ckpt", *flags, crash_at="router@after_get:1,engine@after_train:2")
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert "SIGKILL router at after_get of step 1" in run.stdout and "SIGKILL engine at after_train of step 2" in run.stdout
+    assert "starting it again" in run.stdout, run.stdout[-4000:]  # the monitor saw the router die
+    check_exactly_once(out, max_staleness=1)
