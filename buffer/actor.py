@@ -137,10 +137,11 @@ class BufferActor:
         async with self._cond:
             return self._core.take_returned(max_groups, request_id)
 
-    async def commit(self, step: int) -> None:
-        """The trainer's checkpoint of ``step`` is durable: consumption by steps <= step is final."""
+    async def commit(self, step: int, covered_put_ids: list[str] | None = None) -> None:
+        """The trainer's checkpoint of ``step`` is durable: consumption by steps <= step is final,
+        and so are the returned groups taken by the puts it covers (``BufferCore.commit``)."""
         async with self._cond:
-            self._core.commit(step)
+            self._core.commit(step, covered_put_ids)
 
     async def rewind(self, step: int, weight_version: int | None = None,
                      forget_put_ids: list[str] | None = None) -> int:

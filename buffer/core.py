@@ -9,9 +9,12 @@ group sat in the queue.
 
 Group life cycle: ``queue`` (eligible for get) -> leased to a step (``get(step=k)``) -> final at
 ``commit(k)``; or queue -> final at once (``get()`` without step, a stale drop); or queue ->
-``returned`` (stale, policy "return") -> final when ``take_returned`` hands it out. ``rewind(s)``
-moves groups leased to steps > s back to the front of the queue. Final groups are forgotten
-(the journal may delete their bytes).
+``returned`` (stale, policy "return") -> handed out by ``take_returned`` under a request id (the
+put id of the rollout that regenerates them) -> final at the ``commit`` whose checkpoint covers
+that put. ``rewind(s)`` moves groups leased to steps > s back to the front of the queue, and
+groups handed out but not covered back to ``returned``: the rollout that took them is generated
+again, and its data source (restored from the checkpoint) no longer has them. Final groups are
+forgotten (the journal may delete their bytes).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class BufferCore:
         self._put_ids: OrderedDict[str, int] = OrderedDict()
         # request id -> the groups a take_returned call with that id handed out (a retried call gets them again)
         self._takes: OrderedDict[str, list[list[Sample]]] = OrderedDict()
+        # request id -> groups handed out by take_returned that no committed checkpoint covers yet
+        self._taken: dict[str, list[Entry]] = {}
         self._calls = 0  # get calls that handed out groups: the filter's rollout_id without a step
         self.metrics = BufferMetrics()
 
@@ -195,11 +200,13 @@ class BufferCore:
         return picked if len(picked) == num_groups else None
 
     def take_returned(self, max_groups: int, request_id: str | None = None) -> list[list[Sample]]:
-        """Hand out (for good) up to ``max_groups`` stale groups set aside by policy "return".
+        """Hand out up to ``max_groups`` stale groups set aside by policy "return".
 
-        ``request_id``: a call retried with the same id (its answer lost in a restart of the
-        buffer) gets the same groups again, also after a crash replayed the journal; the last
-        ``_TAKES_KEPT`` ids are remembered (a compaction of the journal in between forgets them)."""
+        ``request_id``: the put id of the rollout that regenerates them. The groups stay the
+        buffer's until a ``commit`` names that put as covered by its checkpoint (a ``rewind``
+        before that returns them); without an id they are final at once. A call retried with the
+        same id (its answer lost in a restart of the buffer) gets the same groups again, also
+        after a crash replayed the journal."""
         if not isinstance(max_groups, int) or max_groups < 0:
             raise ValueError(f"take_returned: max_groups must be an int >= 0, got {max_groups!r}")
         if request_id is not None and request_id in self._takes:
@@ -223,11 +230,14 @@ class BufferCore:
             self._record({"op": "version", "v": version})
             self._prune_stale()
 
-    def commit(self, step: int) -> None:
-        """Consumption by steps <= ``step`` is final (their trainer checkpoint is durable)."""
+    def commit(self, step: int, covered_put_ids: list[str] | None = None) -> None:
+        """Consumption by steps <= ``step`` is final (their trainer checkpoint is durable), and so
+        are the groups ``take_returned`` handed out to the puts ``covered_put_ids`` (the rollouts
+        that checkpoint covers)."""
         self._check_step(step, "commit")
-        if any(s <= step for s in self._leases):
-            self._record({"op": "commit", "step": step})
+        covered = sorted(set(covered_put_ids or ()) & set(self._taken))
+        if any(s <= step for s in self._leases) or covered:
+            self._record({"op": "commit", "step": step, "covered": covered})
             self._compact()
         self.metrics.commits += 1
 
@@ -241,7 +251,10 @@ class BufferCore:
         that the checkpoint lost; rewound groups are judged against the checkpoint's policy).
         ``forget_put_ids``: puts the checkpoint does not cover (their data is generated again):
         their groups are dropped wherever they wait (``drops["rewound"]``) and the ids forgotten,
-        so the regenerated puts under the same ids are stored. Idempotent.
+        so the regenerated puts under the same ids are stored. Returned groups that
+        ``take_returned`` handed out to one of those puts, or to a put that never came, go back
+        to the returned groups; those of a stored put the checkpoint covers become final.
+        Idempotent.
         """
         self._check_step(step, "rewind")
         if weight_version is not None:
@@ -251,8 +264,12 @@ class BufferCore:
         if weight_version is not None and weight_version != self._version:
             self._record({"op": "version", "v": weight_version})
             changed = True
-        if self._leases:
-            self._record({"op": "rewind", "step": step})
+        if self._leases or self._taken:
+            # a take whose put the checkpoint covers (stored, not forgotten) is final; the others go
+            # back: their rollout is generated again (or its put never happened)
+            untake = [r for r in self._taken if r in set(forget_put_ids or ()) or r not in self._put_ids]
+            self._record({"op": "rewind", "step": step, "untake": untake,
+                          "covered": [r for r in self._taken if r not in untake]})
             changed = True
         forget = sorted(set(forget_put_ids or ()) & set(self._put_ids))
         gone: list[int] = []
@@ -316,15 +333,25 @@ class BufferCore:
                 self._returned[e.gid] = e
         elif op == "take_returned":
             taken = self._pop(self._returned, rec["gids"])
-            if rec.get("request") is not None:
-                self._takes[rec["request"]] = [e.group for e in taken]
-                while len(self._takes) > _TAKES_KEPT:
-                    self._takes.popitem(last=False)
-            self._finalize(taken)
+            if rec.get("request") is None:
+                self._finalize(taken)
+            else:
+                self._taken.setdefault(rec["request"], []).extend(taken)
+                self._remember_take(rec["request"], [e.group for e in taken])
         elif op == "commit":
             self._commit_leases(rec["step"])
+            for request in rec.get("covered", ()):
+                self._finalize(self._taken.pop(request, []))
         elif op == "rewind":
             self._commit_leases(rec["step"])
+            for request in rec.get("covered", ()):
+                self._finalize(self._taken.pop(request, []))
+            untaken = sorted((e for r in rec.get("untake", ()) for e in self._taken.pop(r, [])), key=lambda e: e.gid)
+            for request in rec.get("untake", ()):
+                self._takes.pop(request, None)  # the regenerated rollout takes afresh
+            for e in reversed(untaken):  # first in line for the next take, in put order
+                self._returned[e.gid] = e
+                self._returned.move_to_end(e.gid, last=False)
             back = sorted((e for s in [s for s in self._leases if s > rec["step"]] for e in self._leases.pop(s)),
                           key=lambda e: e.gid)
             for e in reversed(back):  # each to the front: they end up first, in put order
@@ -351,6 +378,11 @@ class BufferCore:
         # Unknown gids are tolerated: at replay they are groups whose segment was deleted (final).
         return [where.pop(g) for g in gids if g in where]
 
+    def _remember_take(self, request: str, groups: list[list[Sample]]) -> None:
+        self._takes[request] = groups
+        while len(self._takes) > _TAKES_KEPT:
+            self._takes.popitem(last=False)
+
     def _commit_leases(self, step: int) -> None:
         for s in [s for s in self._leases if s <= step]:
             self._finalize(self._leases.pop(s))
@@ -365,15 +397,17 @@ class BufferCore:
 
     # --- whole-state views (journal compaction, save/restore, recovery) -----------------------
     def live_entries(self) -> list[Entry]:
-        """Every group not yet final: queue order, then leases by step, then returned."""
+        """Every group not yet final: queue order, then leases by step, then returned, then taken."""
         leased = [e for s in sorted(self._leases) for e in self._leases[s]]
-        return [*self._queue.values(), *leased, *self._returned.values()]
+        taken = [e for es in self._taken.values() for e in es]
+        return [*self._queue.values(), *leased, *self._returned.values(), *taken]
 
     def state_record(self) -> dict[str, Any]:
         """A record that rebuilds the current state from the live groups' bytes (gid < next_gid)."""
         return {"op": "state", "version": self._version, "next_gid": self._next_gid,
                 "queue": list(self._queue), "returned": list(self._returned),
                 "leases": {str(s): [e.gid for e in es] for s, es in self._leases.items()},
+                "taken": {r: [e.gid for e in es] for r, es in self._taken.items()},
                 "put_ids": dict(self._put_ids)}
 
     def _load_state(self, rec: dict[str, Any]) -> None:
@@ -385,6 +419,10 @@ class BufferCore:
         self._leases = {}
         for s, gids in rec["leases"].items():
             self._leases[int(s)] = [known.pop(g) for g in gids if g in known]
+        self._taken = {}
+        for request, gids in rec.get("taken", {}).items():  # state records before takes were kept: none
+            self._taken[request] = [known.pop(g) for g in gids if g in known]
+            self._remember_take(request, [e.group for e in self._taken[request]])
         for e in later:
             self._queue[e.gid] = e
         self._finalize(list(known.values()))  # everything else was final when the state was written
@@ -419,6 +457,7 @@ class BufferCore:
         if self._journal is not None:
             self._journal.rewrite(fresh)
         self._queue, self._leases, self._returned = fresh._queue, fresh._leases, fresh._returned
+        self._taken, self._takes = fresh._taken, fresh._takes
         self._version, self._next_gid, self._put_ids = fresh._version, fresh._next_gid, fresh._put_ids
         self._prune_stale()
 
@@ -432,6 +471,7 @@ class BufferCore:
         m.update(size=len(self._queue), capacity=self.settings.capacity,
                  leased_groups=sum(len(es) for es in self._leases.values()), leased_steps=len(self._leases),
                  returned_groups=len(self._returned), weight_version=self._version,
+                 taken_uncovered_groups=sum(len(es) for es in self._taken.values()),
                  bytes_on_disk=self._journal.bytes_on_disk() if self._journal is not None else 0)
         return m
 

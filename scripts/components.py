@@ -252,7 +252,9 @@ class Run:
             _write_json(path / STATE_FILE, state)
             _write_json(Path(self.s.save) / "latest.json", {"step": step, "path": str(path)})
             if self.buffer is not None:  # consumption up to `step` is final only now
-                call_buffer(self.buffer, "commit", step)
+                covered = [p for p in call_buffer(self.buffer, "known_put_ids")
+                           if (m := _ROLLOUT_PUT.fullmatch(p)) and int(m.group(1)) <= state.get("rollouts_put", -1)]
+                call_buffer(self.buffer, "commit", step, covered_put_ids=covered)
 
     def _rollout_position(self, step: int) -> dict[str, Any]:
         """The data position the checkpoint records, and the last rollout whose put it covers.

@@ -27,7 +27,7 @@ def open_core(d: Path, store_kw: dict | None = None, **kw) -> tuple[BufferCore, 
 
 def state(c: BufferCore) -> dict:
     r = c.state_record()
-    return {k: r[k] for k in ("version", "queue", "returned", "leases")}
+    return {k: r[k] for k in ("version", "queue", "returned", "leases", "taken")}
 
 
 def test_recovery_reproduces_acknowledged_state(tmp_path):
@@ -185,7 +185,7 @@ def test_fsync_mode_roundtrip(tmp_path):
     c.put([make_group(0)], put_id="a")
     c.try_get(1, step=3)
     c2, _ = open_core(tmp_path, fsync=True)
-    assert json.loads(json.dumps(state(c2))) == {"version": 0, "queue": [], "returned": [], "leases": {"3": [0]}}
+    assert json.loads(json.dumps(state(c2))) == {"version": 0, "queue": [], "returned": [], "leases": {"3": [0]}, "taken": {}}
 
 
 def test_one_process_per_directory(tmp_path):
@@ -231,7 +231,8 @@ def test_random_operations_recover_exactly(tmp_path, seed):
             assert ids(disk.try_get(n, s) or []) == ids(twin.try_get(n, s) or [])
         elif op < 0.65:
             k = rng.randint(0, step)
-            disk.commit(k), twin.commit(k)
+            covered = [r for r in twin.state_record()["taken"] if rng.random() < 0.5]
+            disk.commit(k, covered), twin.commit(k, covered)
         elif op < 0.72:
             k = rng.randint(0, step)
             assert disk.rewind(k) == twin.rewind(k)
@@ -239,8 +240,8 @@ def test_random_operations_recover_exactly(tmp_path, seed):
             version += rng.randint(0, 1)
             disk.set_version(version), twin.set_version(version)
         elif op < 0.87:
-            n = rng.randint(0, 2)
-            assert ids(disk.take_returned(n)) == ids(twin.take_returned(n))
+            n, request = rng.randint(0, 2), rng.choice([None, f"r{i}"])
+            assert ids(disk.take_returned(n, request)) == ids(twin.take_returned(n, request))
         else:
             store.close() if rng.random() < 0.5 else None  # a clean stop, or a "crash" (nothing closed)
             disk, store = open_core(tmp_path, store_kw=kw, **settings)
@@ -291,3 +292,50 @@ def test_take_returned_retried_with_its_request_id_gets_the_same_groups_after_a_
     assert c2.as_metrics()["taken_returned"] == 0  # handed out once, before the crash
     assert ids(c2.take_returned(2, request_id="rollout-8")) == [2]
     assert ids(c2.take_returned(2)) == []
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_returned_groups_taken_stay_the_buffers_until_a_checkpoint_covers_their_put(tmp_path, compact):
+    """--stale-policy return across a driver crash: groups handed out for regeneration by rollout 8
+    are final only once a commit names ``rollout-8`` covered. A crash of the driver before that
+    (--load: rewind) gives them back, first in line, and the regenerated rollout 8 takes them again
+    (not its cached answer); a buffer crash in between (with or without a compaction of the
+    journal, which writes the takes into its state record) keeps all of it."""
+    store_kw = {"log_compact_bytes": 1} if compact else None  # compact at every record
+    c, _ = open_core(tmp_path, store_kw, max_weight_staleness=0, stale_policy="return")
+    c.put([make_group(i) for i in range(4)], put_id="rollout-6")
+    c.set_version(1)  # all stale: set aside
+    assert ids(c.take_returned(2, request_id="rollout-7")) == [0, 1]
+    c.commit(6, covered_put_ids=["rollout-6", "rollout-7"])  # the checkpoint covers rollout 7's put
+    assert ids(c.take_returned(2, request_id="rollout-8")) == [2, 3]
+    assert c.as_metrics()["taken_uncovered_groups"] == 2
+    c, _ = open_core(tmp_path, store_kw, max_weight_staleness=0, stale_policy="return")  # buffer crash
+    assert ids(c.take_returned(2, request_id="rollout-8")) == [2, 3]  # a retry across it: same answer
+    c.rewind(7, weight_version=1, forget_put_ids=[])  # driver crash, --load of step 7 (covers rollout 7)
+    assert c.as_metrics()["returned_groups"] == 2 and c.as_metrics()["taken_uncovered_groups"] == 0
+    c, _ = open_core(tmp_path, store_kw, max_weight_staleness=0, stale_policy="return")  # and a buffer crash
+    assert ids(c.take_returned(5, request_id="rollout-8")) == [2, 3]  # regenerated rollout 8: taken again
+    c.commit(8, covered_put_ids=["rollout-8"])
+    c, _ = open_core(tmp_path, store_kw, max_weight_staleness=0, stale_policy="return")
+    assert c.as_metrics()["taken_uncovered_groups"] == 0 and c.take_returned(5, request_id="rollout-9") == []
+    c.rewind(8, weight_version=1)  # nothing uncovered left to give back
+    assert c.take_returned(5, request_id="rollout-9") == []
+
+
+def test_a_rewind_gives_back_the_takes_of_forgotten_or_missing_puts_and_keeps_the_covered_ones(tmp_path):
+    """Which taken groups a rewind gives back, whatever commits were made: a take whose put is
+    stored and not forgotten was regenerated into a put the checkpoint covers (a driver crash
+    between the save and its commit: no commit named it), so it is final; a take whose put is
+    forgotten, or never came, goes back."""
+    c, _ = open_core(tmp_path, max_weight_staleness=0, stale_policy="return")
+    c.put([make_group(i) for i in range(6)], put_id="rollout-0")
+    c.set_version(1)
+    for r, gids in ((1, [0, 1]), (2, [2, 3]), (3, [4, 5])):
+        assert ids(c.take_returned(2, request_id=f"rollout-{r}")) == gids
+    c.put([make_group(10, version=1)], put_id="rollout-1")  # rollout 1: covered by the checkpoint
+    c.put([make_group(11, version=1)], put_id="rollout-2")  # rollout 2: put, then forgotten
+    # rollout 3: the driver died before its put
+    c.rewind(1, weight_version=1, forget_put_ids=["rollout-2"])
+    c, _ = open_core(tmp_path, max_weight_staleness=0, stale_policy="return")
+    assert c.as_metrics()["taken_uncovered_groups"] == 0
+    assert ids(c.take_returned(10, request_id="rollout-2")) == [2, 3, 4, 5]
