@@ -73,3 +73,39 @@ def test_weight_versions_and_offpolicy_mask():
         append_segment(s, {"output_ids": [1], "meta_info": {"output_token_logprobs": []}}, False)
     reset_sample(s)
     assert s.tokens == [1, 2, 3] and s.response_length == 0 and s.weight_versions == [] and s.loss_mask == []
+
+
+def test_health_checks_of_ray_placed_engines_never_stall_the_event_loop(toy_model_dir, tmp_path):
+    """Issue 15: with Ray placement, whether an engine's process still runs is a remote call (its
+    Ray host's ``poll``) that can take seconds; the monitor makes it in a thread. Here the poll
+    returns only once the loop has run something else: a poll made on the loop itself would give
+    up after its deadlock breaker, seeing the loop never ran."""
+    import threading
+
+    from rollout_manager.engines import EngineFleet, ManagedEngine
+
+    entered, loop_ran = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    class SlowRemoteProcess:  # rollout_manager.placement.RayProcess's interface: poll() is a Ray call
+        returncode = None
+
+        def poll(self):
+            entered.set()
+            seen.append(loop_ran.wait(timeout=20))
+            return None
+
+    _, settings = make_args(["--hf-checkpoint", str(toy_model_dir)])
+
+    async def go() -> None:
+        fleet = EngineFleet(settings, None, tmp_path)
+        eng = ManagedEngine(0, "http://127.0.0.1:9", ["engine"], process=SlowRemoteProcess(), host=object())
+        fleet.engines = [eng]
+        check = asyncio.ensure_future(fleet.check(eng))
+        await asyncio.to_thread(entered.wait, 20)
+        loop_ran.set()  # runs only if the loop is free while the poll waits
+        await check
+        assert eng.failures == 1  # nothing listens there: one failed health check, no restart yet
+
+    asyncio.run(go())
+    assert seen == [True]
