@@ -274,9 +274,13 @@ class EngineFleet:
 
     async def _continue(self, eng: ManagedEngine, timeout: float) -> None:
         """``/continue_generation`` on an engine this fleet did not start: a paused engine would hold
-        every request of the run (SGLang answers it the same whether paused or not)."""
-        async with self._client(eng.url, timeout) as c:
-            await c.continue_generation()
+        every request of the run (SGLang answers it the same whether paused or not). Best effort: a
+        failure is logged."""
+        try:
+            async with self._client(eng.url, timeout) as c:
+                await c.continue_generation()
+        except EngineError as e:  # e.g. no admin key for it: a run that only generates may still work
+            log.warning("engine %s: /continue_generation failed (if it is paused, requests will wait): %s", eng.url, e)
 
     def _client(self, url: str, timeout: float | None = None) -> EngineClient:
         e = self.settings.engines

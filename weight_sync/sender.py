@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from sglang_protocol import held_weights, tensor_update
-from sglang_protocol.client import EngineClient, EngineError, normalize_url
+from sglang_protocol.client import EngineClient, normalize_url
 from weight_sync import disk
 from weight_sync._loop import LoopThread
 from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
@@ -233,8 +233,6 @@ class WeightSender:
                                                                 admin_api_key=self.settings.admin_api_key),
                                     check_equal=self.settings.check_equal) for u, g in zip(urls, gpus)]
         await asyncio.gather(*(fetch_params(e, self.settings.timeout_s) for e in self.engines))
-        if self.settings.transport != "disk":
-            await asyncio.gather(*(_close_stale_session(e, t) for e in self.engines))
         if self.settings.transport == "tensor" and self.settings.load_format == "mapped":
             refused = await asyncio.gather(*(_check_loader_allowed(e) for e in self.engines), return_exceptions=True)
             refused = [r for r in refused if isinstance(r, BaseException)]
@@ -327,12 +325,12 @@ class WeightSender:
                 self._mark("paused")
                 resume = None if s.check_equal else members  # continue while the last transfers end
                 if s.transport == "distributed":
-                    await call_all(members, lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+                    await _begin_session(members, s.timeout_s)
                     bcast_s = await self._send_all(link, named, buckets, version, progress, first, resume)
                     if resume is None:
                         await _end_session(members, s.timeout_s)
                 elif s.transport == "tensor":
-                    await call_all(members, lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+                    await _begin_session(members, s.timeout_s)
                     bcast_s = await self._send_tensors(members, named, buckets, version, progress, staged, held)
                     await _end_session(members, s.timeout_s)
                 else:
@@ -553,7 +551,7 @@ class WeightSender:
         elif s.transport == "tensor":
             self._channel.flattened = s.load_format != "tensor"
             await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
-            await call_all([e], lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+            await _begin_session([e], s.timeout_s)
             try:
                 await self._send_tensors([e], named, buckets, version, None, held=held)
             finally:
@@ -562,7 +560,7 @@ class WeightSender:
             link = await self._open([e])  # a group of the trainer and this engine only
             try:
                 await call_all([e], lambda c: c.pause_generation(s.pause_mode), "pause_generation")
-                await call_all([e], lambda c: c.begin_weight_update(s.timeout_s), "begin_weight_update")
+                await _begin_session([e], s.timeout_s)
                 try:
                     await self._send_all(link, named, buckets, version, None)
                 finally:
@@ -604,7 +602,7 @@ async def _release_held(members: list[EngineState], settings: WeightSyncSettings
     a session; best effort (the sender is closing): failures are logged."""
     peers = [(e.url, e.gpus, e.client) for e in members]
     try:
-        await call_all(members, lambda c: c.begin_weight_update(settings.timeout_s), "begin_weight_update")
+        await _begin_session(members, settings.timeout_s)
         try:
             await send_tensor_bucket(held_weights.LOADER, peers, [], settings, None, flush_cache=False)
         finally:
@@ -613,20 +611,24 @@ async def _release_held(members: list[EngineState], settings: WeightSyncSettings
         logger.warning("close: engines may still hold the trainer's tensors: %s", e)
 
 
-async def _close_stale_session(e: EngineState, timeout_s: float) -> None:
-    """Close a weight-update session a previous trainer left open on ``e`` (it died inside a push:
-    engines given by --engine-urls outlive it). SGLang refuses ``/begin_weight_update`` while one is
-    open, so this sender's first push would fail. No session open: SGLang answers "no weight-update
-    session is open" (success false), which is the common case and fine."""
+_SESSION_OPEN = "a weight-update session is already open"  # SGLang's refusal of a second begin
+
+
+async def _begin_session(members: list[EngineState], timeout_s: float) -> None:
+    """``/begin_weight_update`` on every member. One that refuses because a session is already open
+    (a trainer before this one died inside a push: engines given by --engine-urls outlive it) gets
+    that session closed and is asked once more; PushFailed naming each engine that still fails."""
     try:
-        closed = await e.client.end_weight_update(timeout_s)
-    except EngineError as err:
-        if "no weight-update session is open" not in str(err):  # the first push reports what is wrong
-            logger.warning("engine %s: closing a stale weight-update session failed: %s", e.url, err)
-        return
-    if closed:
-        logger.warning("engine %s had a weight-update session open (a previous trainer stopped inside a push); "
-                       "closed it", e.url)
+        await call_all(members, lambda c: c.begin_weight_update(timeout_s), "begin_weight_update")
+    except PushFailed as e:
+        stale = [m for m in members if _SESSION_OPEN in e.failed.get(m.url, "")]
+        if not stale or len(stale) < len(e.failed):
+            raise
+        for m in stale:
+            logger.warning("engine %s had a weight-update session open (a previous trainer stopped inside a "
+                           "push); closing it", m.url)
+        await call_all(stale, lambda c: c.end_weight_update(timeout_s), "end_weight_update")
+        await call_all(stale, lambda c: c.begin_weight_update(timeout_s), "begin_weight_update")
 
 
 async def _end_session(members: list[EngineState], timeout_s: float, then_continue: bool = False) -> None:
