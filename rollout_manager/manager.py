@@ -189,10 +189,10 @@ class RolloutManager:
 
     async def shutdown(self) -> None:
         """Stop the engines and the router this manager started."""
-        if self.fleet is not None:
-            await self.fleet.stop()
-        if self.router is not None:
-            self.router.stop()
+        stops = [self.fleet.stop()] if self.fleet is not None else []
+        if self.router is not None:  # the router and the engines stop side by side (each waits on its exit)
+            stops.append(asyncio.to_thread(self.router.stop))
+        await asyncio.gather(*stops)
         if self._client is not None:
             await self._client.close()
             await self._dispatcher.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -65,10 +66,15 @@ class Run:
                                    run_config={k: v for k, v in vars(args).items() if _is_plain(v) and k != "wandb_key"},
                                    wandb_group=run.s.wandb_group, wandb_key=run.s.wandb_key)
         run._start_ray()
-        if not run.s.debug_train_only:
-            run._start_rollout_side()
-        if not run.s.debug_rollout_only:
-            run._start_trainer()
+        parts = [start for start, wanted in ((run._start_rollout_side, not run.s.debug_train_only),
+                                             (run._start_trainer, not run.s.debug_rollout_only)) if wanted]
+        if run.s.colocate:  # the engines release their GPU memory before the trainer builds its model
+            for start in parts:
+                start()
+        else:  # the engines load their model while the trainer ranks build theirs
+            with concurrent.futures.ThreadPoolExecutor(max(1, len(parts))) as pool:
+                for started in [pool.submit(start) for start in parts]:
+                    started.result()
         if run.s.load:
             run._resume(run.s.load)
         if run.trainer is not None and run.rollout is not None:
@@ -236,8 +242,15 @@ class Run:
                 self.engine_memory.resume()
 
     def maybe_save(self, step: int) -> None:
-        if not self.s.save or not self.s.save_interval or (step + 1) % self.s.save_interval and \
-                step + 1 != self.s.num_rollout:
+        """Checkpoint at each --save-interval step and the last; the buffer's consumption up to
+        ``step`` becomes final with it. A run without --save can never go back to an earlier step,
+        so its consumption is final as each step ends (else every batch would stay leased in the
+        buffer, and with --buffer-dir in its segments, for the whole run)."""
+        if not self.s.save:
+            if self.buffer is not None:
+                call_buffer(self.buffer, "commit", step, covered_put_ids=call_buffer(self.buffer, "known_put_ids"))
+            return
+        if not self.s.save_interval or (step + 1) % self.s.save_interval and step + 1 != self.s.num_rollout:
             return
         with self._timer("perf/save_time"):
             path = Path(self.s.save) / f"step_{step:06d}"
@@ -247,29 +260,31 @@ class Run:
                     self.trainer.export_hf(self.settings.train.save_hf.format(rollout_id=step))
             # the driver's own RNGs; each trainer rank's are in its backend checkpoint (rng_<rank>.pt)
             state = {"step": step, "rng": _rng_state(), "weight_version": step + 1}
+            puts = call_buffer(self.buffer, "known_put_ids") if self.buffer is not None else []
             if self.rollout is not None:
-                state.update(self._rollout_position(step))
+                state.update(self._rollout_position(step, puts))
             _write_json(path / STATE_FILE, state)
             _write_json(Path(self.s.save) / "latest.json", {"step": step, "path": str(path)})
             if self.buffer is not None:  # consumption up to `step` is final only now
-                covered = [p for p in call_buffer(self.buffer, "known_put_ids")
+                covered = [p for p in puts
                            if (m := _ROLLOUT_PUT.fullmatch(p)) and int(m.group(1)) <= state.get("rollouts_put", -1)]
                 call_buffer(self.buffer, "commit", step, covered_put_ids=covered)
 
-    def _rollout_position(self, step: int) -> dict[str, Any]:
+    def _rollout_position(self, step: int, put_ids: list[str]) -> dict[str, Any]:
         """The data position the checkpoint records, and the last rollout whose put it covers.
 
         Sync mode: rollout ``step`` was put, nothing runs. Async mode: the producer runs on; the
-        buffer names the last rollout it stored, and the position is the one noted right after
-        that put. Every group trained so far was put before, so it is covered; rollouts after it
-        are forgotten by the buffer at resume and generated again from this position.
+        buffer names the last rollout it stored (``put_ids``: the ids it knows), and the position
+        is the one noted right after that put. Every group trained so far was put before, so it is
+        covered; rollouts after it are forgotten by the buffer at resume and generated again from
+        this position.
         """
         import ray
 
         if self._producer is None:
             return {"rollout": ray.get(self.rollout.state_dict.remote()), "rollouts_put": step}
-        last = max((int(m.group(1)) for p in call_buffer(self.buffer, "known_put_ids")
-                    if (m := _ROLLOUT_PUT.fullmatch(p))), default=self.first_rollout - 1)
+        last = max((int(m.group(1)) for p in put_ids if (m := _ROLLOUT_PUT.fullmatch(p))),
+                   default=self.first_rollout - 1)
         return {"rollout": self._producer.position_after(last), "rollouts_put": last}
 
     def should_eval(self, step: int, before_train: bool = False) -> bool:

@@ -63,6 +63,8 @@ def test_sync_grpo_learns_with_exact_weights_and_logprobs(warm_toy, tmp_path):
     # Every push was verified by per-tensor checksums on both engines.
     assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/engines"] == 2 for r in steps)
     assert [r["weight_sync/version"] for r in steps] == [float(s + 1) for s in range(n)]
+    # no --save: nothing can go back to an earlier step, so each trained batch is final at once
+    assert all(r["buffer/leased_groups"] == 0 and r["buffer/commits"] == r["step"] + 1 for r in steps)
     # Rollouts of step k ran on the weights of version k (sync mode is strictly on-policy).
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
     first = sum(r["rollout/reward_mean"] for r in steps[:10]) / 10

@@ -75,21 +75,22 @@ def test_async_router_engine_and_driver_sigkills_then_load_train_every_group_onc
     batch and engine 0 once step 2 trained, each while the producer generates the next rollouts
     through them: the fleet's monitor starts each again (the engine back in the router only once
     a push brought it to the current version), requests in flight fail over or are retried, and
-    the push that finds engine 0 dead is redone on the live one; the run goes on. Then the driver
+    the push that finds engine 0 dead is redone on the live one; the run goes on. The buffer is
+    SIGKILLed once step 4 took its batch, while the producer generates rollout 5 (its
+    ``take_returned`` and put retry across the restart, by request and put id). Then the driver
     is killed mid step 5 (after train, before the push): the buffer is at version 5, two past the
     checkpoint's (step 2: version 3), and holds rollout 5, which the checkpoint cannot cover (it
-    could start only at version 4, after that save).
-
-    (A buffer SIGKILL is checked in sync mode, in ``tests/test_e2e_train.py``: in async mode where
-    the producer is when the buffer dies is a race; docs/reliability.md, "Not covered".)"""
+    could start only at version 4, after that save). (Where the producer is when the buffer dies
+    is a race: inside its rollout or at its put; exactly once must hold either way.)"""
     out, ckpt = tmp_path / "async", tmp_path / "ckpt"
     # a lost group makes a get wait: fail in a minute (a healthy wait is one rollout) instead of hanging
     flags = ["--max-weight-staleness", "1", "--buffer-get-timeout", "60", "--rollout-num-engines", "2",
              "--health-check-interval", "0.5"]
-    first = train(toy_model_dir, out, ckpt, *flags, crash_at="router@after_get:1,engine@after_train:2,after_train:5")
+    first = train(toy_model_dir, out, ckpt, *flags, crash_at="router@after_get:1,engine@after_train:2,buffer@after_get:4,after_train:5")
     assert first.returncode == -signal.SIGKILL, first.stdout[-4000:]
     assert "SIGKILL router at after_get of step 1" in first.stdout
     assert "SIGKILL engine at after_train of step 2" in first.stdout
+    assert "SIGKILL buffer at after_get of step 4" in first.stdout
     assert "starting it again" in first.stdout, first.stdout[-4000:]  # the monitor saw the router die
     assert "SIGKILL driver at after_train of step 5" in first.stdout
     assert json.loads((ckpt / "latest.json").read_text())["step"] == 2
