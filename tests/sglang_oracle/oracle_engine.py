@@ -152,7 +152,10 @@ class TPRanks:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             store_port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
+        # fork, not spawn: the ranks inherit the SGLang modules this process imported (spawn imported
+        # them again in each rank, most of an oracle's start-up); no thread runs here yet (the
+        # HTTP server starts after the ranks)
+        ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
         for r in range(tp_size):
             parent, child = ctx.Pipe()
