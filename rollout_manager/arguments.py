@@ -1,9 +1,10 @@
 """Command-line flags of the rollout manager (slime's names) and their validation.
 
 ``add_arguments`` adds the flags this part owns to a parser (the launcher composes every part's
-flags into one parser); the settings dataclasses' fields declare them (:mod:`flags`).
-``settings_from_args`` validates flag combinations (``ValueError`` naming the flags) and builds
-``RolloutSettings``.
+flags into one parser); the settings dataclasses' fields declare them (:mod:`flags`), and check
+their own values as they are built. ``settings_from_args`` builds ``RolloutSettings`` from the
+parsed flags, checking what no one dataclass can (the SGLang pass-through, ``--rm-type``'s rules);
+``ValueError`` names the flags.
 
 SGLang server flags pass through as ``--sglang-<flag> [values]`` (e.g. ``--sglang-mem-fraction-static
 0.8``, ``--sglang-cuda-graph-bs-decode 1 2 4 8``): ``split_sglang_args`` pulls them out of ``argv``
@@ -19,20 +20,27 @@ import dataclasses
 import secrets
 import shlex
 
-from flags import add_flags, from_args
-from rollout_manager.settings import (REQUEST_GRANULARITIES, DataSettings, EngineFleetSettings, PluginSettings,
-                                      RolloutSettings, SamplingSettings)
+from flags import add_flags, flag_fields, flag_name, flag_of, from_args
+from plugins.rewards import check_rm_type
+from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutSettings,
+                                      SamplingSettings)
 
+_PARTS = (RolloutSettings, DataSettings, EngineFleetSettings, SamplingSettings, PluginSettings)
 # Flags of ours that start with --sglang- (everything else with that prefix is passed through).
-_OWN_SGLANG_FLAGS = ("--sglang-router-ip", "--sglang-router-port", "--sglang-server-concurrency")
+_OWN_SGLANG_FLAGS = tuple(flag_name(f) for cls in _PARTS for f, _ in flag_fields(cls)
+                          if flag_name(f).startswith("--sglang-"))
+_ENGINE_URLS, _ROUTER_IP, _ROUTER_PORT, _PER_ENGINE = (
+    flag_of(EngineFleetSettings, f) for f in ("engine_urls", "sglang_router_ip", "sglang_router_port",
+                                              "rollout_num_gpus_per_engine"))
 # SGLang server flags the fleet sets for each engine it starts (engines.engine_command): passed
 # through they would silently replace ours (argparse keeps the last value). Value: what to do instead.
-_OWN_SERVERS = "start the servers yourself and give --engine-urls"
+_OWN_SERVERS = f"start the servers yourself and give {_ENGINE_URLS}"
 _RESERVED_SERVER_FLAGS = {
-    "--model-path": "use --hf-checkpoint", "--model": "use --hf-checkpoint",
-    "--tp-size": "use --rollout-num-gpus-per-engine", "--tensor-parallel-size": "use --rollout-num-gpus-per-engine",
+    "--model-path": f"use {flag_of(RolloutSettings, 'hf_checkpoint')}",
+    "--model": f"use {flag_of(RolloutSettings, 'hf_checkpoint')}",
+    "--tp-size": f"use {_PER_ENGINE}", "--tensor-parallel-size": f"use {_PER_ENGINE}",
     "--port": f"each engine gets a free port (for fixed ports, {_OWN_SERVERS})",
-    "--host": f"use --rollout-engine-placement (for fixed hosts, {_OWN_SERVERS})",
+    "--host": f"use {flag_of(EngineFleetSettings, 'rollout_engine_placement')} (for fixed hosts, {_OWN_SERVERS})",
     "--nccl-port": f"each engine gets distinct free ports (to choose them, {_OWN_SERVERS})",
     "--dist-init-addr": f"each engine gets distinct free ports (to choose them, {_OWN_SERVERS})",
     "--nccl-init-addr": f"each engine gets distinct free ports (to choose them, {_OWN_SERVERS})",
@@ -40,8 +48,8 @@ _RESERVED_SERVER_FLAGS = {
 # sglang-router flags that the router started here gets from Reservoir (router.Router.start; its
 # port is ours: --sglang-router-port).
 _RESERVED_ROUTER_FLAGS = {
-    "--host": "to use a router you run yourself, give --sglang-router-ip and --sglang-router-port",
-    "--policy": "use --router-policy", "--worker-urls": "use --engine-urls",
+    "--host": f"to use a router you run yourself, give {_ROUTER_IP} and {_ROUTER_PORT}",
+    "--policy": f"use {flag_of(EngineFleetSettings, 'router_policy')}", "--worker-urls": f"use {_ENGINE_URLS}",
     "--control-plane-api-keys": "it holds a key of its own for /workers, which only Reservoir needs",
 }
 
@@ -49,7 +57,7 @@ _RESERVED_ROUTER_FLAGS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the rollout manager's flags (and the shared ones it owns) to ``parser``: the settings
     dataclasses' fields declare them."""
-    for cls in (RolloutSettings, DataSettings, EngineFleetSettings, SamplingSettings, PluginSettings):
+    for cls in _PARTS:
         add_flags(parser, cls)
 
 
@@ -161,77 +169,34 @@ def _check_reserved(server: list[str], router: list[str]) -> None:
                                  f"starts; {instead}")
 
 
-def _positive(args: argparse.Namespace, *names: str) -> None:
-    for n in names:
-        v = vars(args)[n]
-        if v is not None and v <= 0:
-            raise ValueError(f"--{n.replace('_', '-')} must be > 0, got {v}")
-
-
 def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None = None) -> RolloutSettings:
-    """Validate the rollout flags in ``args`` and build the settings (``ValueError`` names the flags)."""
-    _positive(args, "n_samples_per_prompt", "rollout_batch_size", "over_sampling_batch_size",
-              "rollout_max_response_len", "rollout_num_engines", "rollout_num_gpus_per_engine",
-              "sglang_server_concurrency", "rollout_request_timeout", "n_samples_per_eval_prompt",
-              "eval_max_response_len", "rollout_max_prompt_len", "num_epoch", "engine_startup_timeout",
-              "eval_max_context_len",
-              "health_check_interval", "health_check_timeout", "dynamic_sampling_max_dropped_ratio",
-              "reward_timeout", "custom_generate_timeout", "filter_timeout")
-    if args.rollout_max_retries < 0:
-        raise ValueError(f"--rollout-max-retries must be >= 0, got {args.rollout_max_retries}")
-    if args.rollout_num_gpus < 0:
-        raise ValueError(f"--rollout-num-gpus must be >= 0, got {args.rollout_num_gpus}")
-    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
-        raise ValueError(f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be >= "
-                         f"--rollout-batch-size ({args.rollout_batch_size})")
-    for flag in ("rollout_temperature", "eval_temperature"):
-        if vars(args)[flag] < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {vars(args)[flag]}")
-    if not 0 < args.rollout_top_p <= 1:
-        raise ValueError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
-    if args.rollout_request_granularity not in REQUEST_GRANULARITIES:  # argparse checks the CLI; not other callers
-        raise ValueError(f"--rollout-request-granularity {args.rollout_request_granularity!r}: choose one of "
-                         f"{list(REQUEST_GRANULARITIES)}")
-    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
-        raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-    if (args.sglang_router_ip is None) != (args.sglang_router_port is None):
-        raise ValueError("--sglang-router-ip and --sglang-router-port go together")
-    if args.rm_url and args.custom_rm_path:
-        raise ValueError("choose one reward: --rm-url and --custom-rm-path were both given")
-    if args.group_rm and not args.custom_rm_path:
-        raise ValueError("--group-rm needs --custom-rm-path (a batched reward function)")
-    from plugins.rewards import REMOTE_RMS, check_rm_type
-    if not args.custom_rm_path:  # with one, --rm-type is only what plugins read (slime's async_rm)
-        check_rm_type(args.rm_type, args.reward_key)
-    if args.rm_type in REMOTE_RMS and not args.rm_url and not args.custom_rm_path:
-        raise ValueError(f"--rm-type {args.rm_type} needs --rm-url (the reward model's address)")
-    if args.rollout_max_context_len is not None:
-        if args.rollout_max_context_len < 2:
-            raise ValueError(f"--rollout-max-context-len must be >= 2, got {args.rollout_max_context_len}")
-        if args.rollout_max_prompt_len is None:  # slime: at least one token left to generate
-            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
-        elif args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
-            raise ValueError(f"--rollout-max-prompt-len ({args.rollout_max_prompt_len}) must be below "
-                             f"--rollout-max-context-len ({args.rollout_max_context_len})")
-    if args.rollout_engine == "sglang" and args.rollout_num_gpus == 0 and not args.engine_urls:
-        raise ValueError("--rollout-engine sglang needs --rollout-num-gpus > 0 (SGLang runs on GPUs)")
-    if args.rollout_num_gpus and args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
-        raise ValueError(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
-                         f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})")
-    server_args, router_args = split_router_args(list(sglang_args or []))
-    _check_reserved(server_args, router_args)
-    if server_args and args.rollout_engine != "sglang":
-        raise ValueError(f"--sglang-* flags {server_args} need --rollout-engine sglang")
-    if router_args and args.sglang_router_ip is not None:
-        raise ValueError(f"--sglang-router-* flags {router_args} configure the router started here; with "
-                         "--sglang-router-ip a running router is used (configure that one)")
+    """Build the settings from the rollout flags in ``args`` (each settings class checks its own
+    fields) and check what they cannot: ``ValueError`` names the flags."""
     data = from_args(DataSettings, args)
+    # Plugins read args.rollout_max_prompt_len, derived from --rollout-max-context-len when not given:
+    # slime's validate_args sets it on the namespace at start-up, so its plugins expect it there.
+    args.rollout_max_prompt_len = data.rollout_max_prompt_len
+    server_args, router_args = split_router_args(list(sglang_args or []))
     api_key, admin_api_key = sglang_api_keys(server_args)
     extra_args = args.engine_extra_args
     if args.rollout_engine == "embedded":
         api_key, admin_api_key, extra_args = embedded_engine_keys(extra_args)
     engines = from_args(EngineFleetSettings, args, sglang_args=server_args, router_args=router_args, api_key=api_key,
                         admin_api_key=admin_api_key, engine_extra_args=extra_args)
+    _check_passthrough(engines)
     sampling = from_args(SamplingSettings, args)
     plugins = from_args(PluginSettings, args)
+    if not plugins.custom_rm_path:  # with one, --rm-type is only what plugins read (slime's async_rm)
+        check_rm_type(plugins.rm_type, plugins.reward_key)
     return from_args(RolloutSettings, args, data=data, engines=engines, sampling=sampling, plugins=plugins)
+
+
+def _check_passthrough(engines: EngineFleetSettings) -> None:
+    """Refuse a ``--sglang-*`` / ``--sglang-router-*`` pass-through that would not reach its target."""
+    _check_reserved(engines.sglang_args, engines.router_args)
+    engine = flag_of(EngineFleetSettings, "rollout_engine")
+    if engines.sglang_args and engines.rollout_engine != "sglang":
+        raise ValueError(f"--sglang-* flags {engines.sglang_args} need {engine} sglang")
+    if engines.router_args and engines.sglang_router_ip is not None:
+        raise ValueError(f"--sglang-router-* flags {engines.router_args} configure the router started here; with "
+                         f"{_ROUTER_IP} a running router is used (configure that one)")

@@ -2,15 +2,34 @@
 help, choices in one place).
 
 ``arguments.py`` makes the command-line flags from these fields and turns a parsed namespace into a
-``RolloutSettings`` (with the cross-flag checks). Components take the settings; only plugins see
-the argparse namespace (slime's plugin contract).
+``RolloutSettings``. Each class checks its own fields as it is built (``__post_init__``), raising
+:class:`flags.SettingError` (the flags' names when built from flags, the fields' in code).
+Components take the settings; only plugins see the argparse namespace (slime's plugin contract).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from flags import flag
+from flags import SettingError, flag
+from plugins.rewards import REMOTE_RMS
+
+
+def _positive(settings: Any, *names: str) -> None:
+    """SettingError for the first of the fields ``names`` that is set and not > 0."""
+    for name in names:
+        value = getattr(settings, name)
+        if value is not None and value <= 0:
+            raise SettingError(name, "{" + name + "}" + f" must be > 0, got {value}")
+
+
+def _non_negative(settings: Any, *names: str) -> None:
+    """SettingError for the first of the fields ``names`` that is < 0."""
+    for name in names:
+        value = getattr(settings, name)
+        if value < 0:
+            raise SettingError(name, "{" + name + "}" + f" must be >= 0, got {value}")
 
 
 @dataclass
@@ -30,6 +49,20 @@ class DataSettings:
         None, "slime's prompt + response budget: plugins read it (args.rollout_max_context_len), and "
         "--rollout-max-prompt-len defaults to it minus one")
     strict_data: bool = flag(False, "a malformed prompt line is an error (default: skip it and count it)")
+
+    def __post_init__(self) -> None:
+        _positive(self, "rollout_max_prompt_len", "num_epoch")
+        context = self.rollout_max_context_len
+        if context is None:
+            return
+        if context < 2:
+            raise SettingError("rollout_max_context_len", f"{{rollout_max_context_len}} must be >= 2, got {context}")
+        if self.rollout_max_prompt_len is None:  # slime's default: at least one token left to generate
+            self.rollout_max_prompt_len = context - 1
+        elif self.rollout_max_prompt_len > context - 1:
+            raise SettingError(("rollout_max_prompt_len", "rollout_max_context_len"),
+                               f"{{rollout_max_prompt_len}} ({self.rollout_max_prompt_len}) must be below "
+                               f"{{rollout_max_context_len}} ({context})")
 
 
 # sglang-router policies a router started by the manager can use. Not power_of_two: sglang-router
@@ -76,6 +109,21 @@ class EngineFleetSettings:
     weight_update_dirs: list[str] = field(default_factory=list)
     weight_update_masters: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        _positive(self, "rollout_num_engines", "rollout_num_gpus_per_engine", "engine_startup_timeout",
+                  "health_check_interval", "health_check_timeout")
+        _non_negative(self, "rollout_num_gpus")
+        if (self.sglang_router_ip is None) != (self.sglang_router_port is None):
+            raise SettingError(("sglang_router_ip", "sglang_router_port"),
+                               "{sglang_router_ip} and {sglang_router_port} go together")
+        if self.rollout_engine == "sglang" and self.rollout_num_gpus == 0 and not self.engine_urls:
+            raise SettingError(("rollout_engine", "rollout_num_gpus"),
+                               "{rollout_engine} sglang needs {rollout_num_gpus} > 0 (SGLang runs on GPUs)")
+        if self.rollout_num_gpus and self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise SettingError(("rollout_num_gpus", "rollout_num_gpus_per_engine"),
+                               f"{{rollout_num_gpus}} ({self.rollout_num_gpus}) must be a multiple of "
+                               f"{{rollout_num_gpus_per_engine}} ({self.rollout_num_gpus_per_engine})")
+
 
 # How the default rollout sends its requests (--rollout-request-granularity): "group" sends a
 # prompt's unfinished samples as one batch /generate (n times fewer requests through the router and
@@ -118,6 +166,26 @@ class SamplingSettings:
     eval_max_response_len: int | None = flag(None, "default: --rollout-max-response-len")
     eval_max_context_len: int | None = flag(None, "slime's context budget for evaluation, read by plugins (default: "
                                             "--rollout-max-context-len)")
+
+    def __post_init__(self) -> None:
+        _positive(self, "n_samples_per_prompt", "rollout_batch_size", "over_sampling_batch_size",
+                  "rollout_max_response_len", "sglang_server_concurrency", "request_timeout",
+                  "n_samples_per_eval_prompt", "eval_max_response_len", "eval_max_context_len", "max_dropped_ratio")
+        _non_negative(self, "max_request_retries")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise SettingError(("over_sampling_batch_size", "rollout_batch_size"),
+                               f"{{over_sampling_batch_size}} ({self.over_sampling_batch_size}) must be >= "
+                               f"{{rollout_batch_size}} ({self.rollout_batch_size})")
+        _non_negative(self, "rollout_temperature", "eval_temperature")
+        if not 0 < self.rollout_top_p <= 1:
+            raise SettingError("rollout_top_p", f"{{rollout_top_p}} must be in (0, 1], got {self.rollout_top_p}")
+        if self.rollout_request_granularity not in REQUEST_GRANULARITIES:  # argparse checks the CLI, not code
+            raise SettingError("rollout_request_granularity",
+                               f"{{rollout_request_granularity}} {self.rollout_request_granularity!r}: choose one of "
+                               f"{list(REQUEST_GRANULARITIES)}")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise SettingError(("mask_offpolicy_in_partial_rollout", "partial_rollout"),
+                               "{mask_offpolicy_in_partial_rollout} needs {partial_rollout}")
 
 
 @dataclass
@@ -170,6 +238,19 @@ class PluginSettings:
     custom_eval_rollout_log_function_path: str | None = flag(None, "fn(rollout_id, args, data, extra_metrics) -> bool "
                                                              "after each evaluation; True: skip Reservoir's eval "
                                                              "metrics")
+
+    def __post_init__(self) -> None:
+        # rm_type's own values: arguments.settings_from_args (plugins.rewards.check_rm_type names its flag)
+        _positive(self, "reward_timeout", "custom_generate_timeout", "filter_timeout")
+        if self.rm_url and self.custom_rm_path:
+            raise SettingError(("rm_url", "custom_rm_path"),
+                               "{rm_url} and {custom_rm_path} were both given: choose one reward")
+        if self.group_rm and not self.custom_rm_path:
+            raise SettingError(("group_rm", "custom_rm_path"),
+                               "{group_rm} needs {custom_rm_path} (a batched reward function)")
+        if self.rm_type in REMOTE_RMS and not self.rm_url and not self.custom_rm_path:
+            raise SettingError(("rm_type", "rm_url"),
+                               f"{{rm_type}} {self.rm_type} needs {{rm_url}} (the reward model's address)")
 
 
 @dataclass

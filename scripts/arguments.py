@@ -17,8 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from buffer.settings import BufferSettings
 from config import load_config_defaults
-from flags import add_flags, flag, from_args
+from flags import SettingError, add_flags, flag, flag_of, from_args
+from rollout_manager.settings import EngineFleetSettings, RolloutSettings, SamplingSettings
+from train_backend.actor_group import TrainerGroupSettings
+from train_backend.settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,38 @@ class LauncherSettings:
                                  "--hf-checkpoint is an error, not a new model)",
                                  action=argparse.BooleanOptionalAction)
     toy_warmup_steps: int = flag(60, "supervised warm-up steps when --build-toy-model builds it")
+
+    def __post_init__(self) -> None:
+        wandb = [f for f in ("wandb_project", "wandb_group", "wandb_key") if getattr(self, f)]
+        if wandb and not self.use_wandb:
+            raise SettingError((*wandb, "use_wandb"), ", ".join("{" + f + "}" for f in wandb) + " need(s) {use_wandb}")
+        if self.debug_rollout_only and self.debug_train_only:
+            raise SettingError(("debug_rollout_only", "debug_train_only"),
+                               "{debug_rollout_only} and {debug_train_only} exclude each other")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise SettingError(("debug_train_only", "load_debug_rollout_data"),
+                               "{debug_train_only} needs {load_debug_rollout_data}")
+        if self.load_debug_rollout_data and not self.debug_train_only:
+            raise SettingError(("load_debug_rollout_data", "debug_train_only"),
+                               "{load_debug_rollout_data} is only read with {debug_train_only}")
+        if self.num_rollout < 1:
+            raise SettingError("num_rollout", f"{{num_rollout}} must be >= 1, got {self.num_rollout}")
+        for name in ("save_interval", "eval_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SettingError(name, "{" + name + "}" + f" must be >= 1, got {value}")
+        if self.save_interval and not self.save:
+            raise SettingError(("save_interval", "save"), "{save_interval} needs {save} (the checkpoint directory)")
+
+
+# Flags the cross-part checks below name, as their fields declare them
+_COLOCATE = flag_of(LauncherSettings, "colocate")
+_ENGINE_URLS = flag_of(EngineFleetSettings, "engine_urls")
+_ROLLOUT_GPUS = flag_of(EngineFleetSettings, "rollout_num_gpus")
+_EXTRA_ARGS = flag_of(EngineFleetSettings, "engine_extra_args")
+_TRAIN_DEVICE = flag_of(TrainSettings, "device")
+_TRAINER_GPUS = (f"{flag_of(TrainerGroupSettings, 'actor_num_nodes')} x "
+                 f"{flag_of(TrainerGroupSettings, 'actor_num_gpus_per_node')}")
 
 
 def _part_modules():
@@ -116,7 +152,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunSetting
             parser.error(str(e))
     args = parser.parse_args(argv)
     args.sglang_args = sglang_args
-    if args.build_toy_model and not any(a == "--build-toy-model" for a in argv):
+    if args.build_toy_model and not any(a == flag_of(LauncherSettings, "build_toy_model") for a in argv):
         import make_toy_model
 
         # a config file's build-toy-model builds only the toy model's own directory
@@ -134,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launcher_settings_from_args(args: argparse.Namespace) -> LauncherSettings:
+    """Build (and so check) :class:`LauncherSettings`; ``ValueError`` names the flags."""
     return from_args(LauncherSettings, args)
 
 
@@ -153,6 +190,7 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     buffer = buffer_settings(args)
     train, megatron = train_settings(args), megatron_settings(args)
     group = group_settings_from_args(args, train, megatron)  # trainer ranks vs. the backend's parallel layout
+    launcher = launcher_settings_from_args(args)
     _check_launcher(args)
     _check_gpu_count(args)
     _choose_weight_transport(args)
@@ -160,62 +198,55 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     if sync.transport == "tensor" and sync.load_format == "mapped":  # one handle per dtype, not per parameter
         train = dataclasses.replace(train, flat_params=True)
     _check_across_parts(args)
-    return RunSettings(launcher_settings_from_args(args), buffer, rollout, train, megatron, group, sync)
+    return RunSettings(launcher, buffer, rollout, train, megatron, group, sync)
 
 
 def _check_launcher(args: argparse.Namespace) -> None:
+    """The launcher's flags against the model and the other parts' flags (its own flags alone:
+    :class:`LauncherSettings`)."""
     ckpt = args.hf_checkpoint
+    hf = flag_of(RolloutSettings, "hf_checkpoint")
     if not ckpt:
-        raise ValueError("--hf-checkpoint is required (the model to train and serve)")
+        raise ValueError(f"{hf} is required (the model to train and serve)")
     if not args.build_toy_model and not Path(ckpt, "config.json").is_file():
-        raise ValueError(f"--hf-checkpoint {ckpt}: no HF checkpoint there (config.json missing); "
-                         "--build-toy-model builds the toy model at that path")
+        raise ValueError(f"{hf} {ckpt}: no HF checkpoint there (config.json missing); "
+                         f"{flag_of(LauncherSettings, 'build_toy_model')} builds the toy model at that path")
     _check_wandb(args)
-    if args.debug_rollout_only and args.debug_train_only:
-        raise ValueError("--debug-rollout-only and --debug-train-only exclude each other")
-    if args.debug_train_only and not args.load_debug_rollout_data:
-        raise ValueError("--debug-train-only needs --load-debug-rollout-data")
-    if args.load_debug_rollout_data and not args.debug_train_only:
-        raise ValueError("--load-debug-rollout-data is only read with --debug-train-only")
-    if args.num_rollout < 1:
-        raise ValueError(f"--num-rollout must be >= 1, got {args.num_rollout}")
-    for flag in ("save_interval", "eval_interval"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    if args.save_interval and not args.save:
-        raise ValueError("--save-interval needs --save (the checkpoint directory)")
     if args.eval_interval and not args.eval_prompt_data:
-        raise ValueError("--eval-interval needs --eval-prompt-data")
+        raise ValueError(f"{flag_of(LauncherSettings, 'eval_interval')} needs "
+                         f"{flag_of(SamplingSettings, 'eval_prompt_data')}")
 
 
 def _check_across_parts(args: argparse.Namespace) -> None:
+    from weight_sync.interfaces import WeightSyncSettings
+
+    engine = flag_of(EngineFleetSettings, "rollout_engine")
     if args.check_weight_update_equal and args.rollout_engine == "sglang":
         # (for --engine-urls servers of another kind the sender finds out at connect, before any push)
-        raise ValueError("--check-weight-update-equal compares the engines' /weights_checksum, which SGLang "
-                         "servers do not have (every push would fail): drop it with --rollout-engine sglang")
+        raise ValueError(f"{flag_of(WeightSyncSettings, 'check_equal')} compares the engines' /weights_checksum, "
+                         f"which SGLang servers do not have (every push would fail): drop it with {engine} sglang")
     if not args.debug_rollout_only and (args.rollout_top_p < 1 or args.rollout_top_k > 0):
-        log.warning("--rollout-top-p %s / --rollout-top-k %s: rollouts are sampled from the truncated "
-                    "distribution, but training uses log-probs of the untruncated distribution (the engines' "
-                    "rollout log-probs and the trainer's alike, SGLang's default), so the policy ratios are off "
-                    "by the truncation", args.rollout_top_p, args.rollout_top_k)
+        log.warning("%s %s / %s %s: rollouts are sampled from the truncated distribution, but training uses "
+                    "log-probs of the untruncated distribution (the engines' rollout log-probs and the trainer's "
+                    "alike, SGLang's default), so the policy ratios are off by the truncation",
+                    flag_of(SamplingSettings, "rollout_top_p"), args.rollout_top_p,
+                    flag_of(SamplingSettings, "rollout_top_k"), args.rollout_top_k)
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size is not None and samples % args.global_batch_size:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} must divide --rollout-batch-size x "
-                         f"--n-samples-per-prompt = {samples}")
+        raise ValueError(f"{flag_of(TrainSettings, 'global_batch_size')} {args.global_batch_size} must divide "
+                         f"{flag_of(SamplingSettings, 'rollout_batch_size')} x "
+                         f"{flag_of(SamplingSettings, 'n_samples_per_prompt')} = {samples}")
 
 
 def _check_wandb(args: argparse.Namespace) -> None:
-    """wandb's flags need --use-wandb, and --use-wandb needs the package (found now, not after Ray
-    and the engines started)."""
+    """--use-wandb needs the package (found now, not after Ray and the engines started)."""
     import importlib.util
 
-    given = [f"--wandb-{f}" for f in ("project", "group", "key") if getattr(args, f"wandb_{f}")]
-    if given and not args.use_wandb:
-        raise ValueError(f"{', '.join(given)} need(s) --use-wandb")
     if args.use_wandb and importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"--use-wandb{''.join(', ' + g for g in given)}: the wandb package is not installed "
-                         "(pip install wandb), or drop --use-wandb")
+        use = flag_of(LauncherSettings, "use_wandb")
+        given = "".join(f", {flag_of(LauncherSettings, f)}" for f in ("wandb_project", "wandb_group", "wandb_key")
+                        if getattr(args, f))
+        raise ValueError(f"{use}{given}: the wandb package is not installed (pip install wandb), or drop {use}")
 
 
 # --- where the trainer and the engines run (--colocate, the weight transport) ---------------------------
@@ -226,29 +257,30 @@ def _place_colocated(args: argparse.Namespace) -> None:
     if not args.colocate:
         return
     if args.engine_urls:
-        raise ValueError("--colocate places the engines it starts on the trainer's GPUs; servers given by "
-                         "--engine-urls run elsewhere: drop one of the two")
+        raise ValueError(f"{_COLOCATE} places the engines it starts on the trainer's GPUs; servers given by "
+                         f"{_ENGINE_URLS} run elsewhere: drop one of the two")
     if args.max_weight_staleness:
-        raise ValueError(f"--colocate needs sync mode (the GPUs alternate between generating and training): drop "
-                         f"--max-weight-staleness {args.max_weight_staleness}")
+        raise ValueError(f"{_COLOCATE} needs sync mode (the GPUs alternate between generating and training): drop "
+                         f"{flag_of(BufferSettings, 'max_weight_staleness')} {args.max_weight_staleness}")
     if args.rollout_engine_placement == "ray":
-        raise ValueError("--colocate places the engines itself (engine i and trainer rank i on GPU i of this node); "
-                         "a Ray placement group would reserve whole GPUs for them: drop --rollout-engine-placement ray")
+        raise ValueError(f"{_COLOCATE} places the engines itself (engine i and trainer rank i on GPU i of this "
+                         "node); a Ray placement group would reserve whole GPUs for them: drop "
+                         f"{flag_of(EngineFleetSettings, 'rollout_engine_placement')} ray")
     args.rollout_engine_placement = "local"
     if args.train_device.startswith("cuda"):
         ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
         if args.rollout_num_gpus == 0:
             args.rollout_num_gpus = ranks
         elif args.rollout_num_gpus != ranks:
-            raise ValueError(f"--colocate: --rollout-num-gpus {args.rollout_num_gpus} must equal the trainer's GPUs, "
-                             f"--actor-num-nodes x --actor-num-gpus-per-node = {ranks} (each GPU holds a trainer "
-                             f"rank and engine ranks), or be left out")
+            raise ValueError(f"{_COLOCATE}: {_ROLLOUT_GPUS} {args.rollout_num_gpus} must equal the trainer's GPUs, "
+                             f"{_TRAINER_GPUS} = {ranks} (each GPU holds a trainer rank and engine ranks), or be "
+                             "left out")
         if args.rollout_engine == "sglang" and not any(a.split("=", 1)[0] == "--enable-memory-saver"
                                                       for a in args.sglang_args):
             args.sglang_args = [*args.sglang_args, "--enable-memory-saver"]  # else its release frees nothing
     if _engine_device(args) != ("cuda" if args.train_device.startswith("cuda") else "cpu"):
-        raise ValueError(f"--colocate: the trainer (--train-device {args.train_device}) and the engines "
-                         f"({_engine_device(args)}: --rollout-num-gpus {args.rollout_num_gpus}, --engine-extra-args "
+        raise ValueError(f"{_COLOCATE}: the trainer ({_TRAIN_DEVICE} {args.train_device}) and the engines "
+                         f"({_engine_device(args)}: {_ROLLOUT_GPUS} {args.rollout_num_gpus}, {_EXTRA_ARGS} "
                          f"{args.engine_extra_args!r}) must be on the same kind of device")
 
 
@@ -296,16 +328,16 @@ def _shared_gpu(args: argparse.Namespace) -> str | None:
     flag = _engine_device_flag(args)
     if args.rollout_num_gpus:
         engine_gpus = set(range(args.rollout_num_gpus))
-        where = f"--rollout-num-gpus {args.rollout_num_gpus} placed locally"
+        where = f"{_ROLLOUT_GPUS} {args.rollout_num_gpus} placed locally"
     else:
         engine_gpus = {int(flag.split(":", 1)[1]) if flag and ":" in flag else 0}
-        where = f"--engine-extra-args {args.engine_extra_args!r}"
+        where = f"{_EXTRA_ARGS} {args.engine_extra_args!r}"
     if ":" in args.train_device:
         if int(args.train_device.split(":", 1)[1]) in engine_gpus:
-            return f"--train-device {args.train_device} and {where}"
+            return f"{_TRAIN_DEVICE} {args.train_device} and {where}"
         return None
     if _visible_gpus() == 1:
-        return f"--train-device cuda and {where} on a machine with one GPU"
+        return f"{_TRAIN_DEVICE} cuda and {where} on a machine with one GPU"
     return None
 
 
@@ -318,33 +350,36 @@ def _check_gpu_count(args: argparse.Namespace) -> None:
     trainer = args.actor_num_nodes * args.actor_num_gpus_per_node if args.train_device == "cuda" else 0
     engines = args.rollout_num_gpus if _ray_places_engines(args) else 0
     if trainer and engines and trainer + engines > (have := _visible_gpus()):
-        raise ValueError(f"the trainer ({trainer} GPU(s): --actor-num-nodes x --actor-num-gpus-per-node) and the "
-                         f"engines (--rollout-num-gpus {engines}) need {trainer + engines} GPUs, and this machine "
-                         f"has {have}: add --colocate to share them")
+        raise ValueError(f"the trainer ({trainer} GPU(s): {_TRAINER_GPUS}) and the engines ({_ROLLOUT_GPUS} "
+                         f"{engines}) need {trainer + engines} GPUs, and this machine has {have}: add {_COLOCATE} to "
+                         "share them")
 
 
 def _choose_weight_transport(args: argparse.Namespace) -> None:
     """Resolve --update-weight-transport / --update-weight-backend ``auto`` from where the trainer
     and the engines run (``weight_sync.arguments.resolve_transport``), refusing what cannot work."""
     from weight_sync.arguments import Placement, resolve_transport
-    from weight_sync.interfaces import resolve_load_format
+    from weight_sync.interfaces import WeightSyncSettings, resolve_load_format
 
     if args.debug_rollout_only or args.debug_train_only:  # no push
         return
     where = Placement(trainer="cuda" if args.train_device.startswith("cuda") else "cpu",
                       engines=_engine_device(args), colocated=args.colocate, shared_gpu=_shared_gpu(args))
     transport, backend = resolve_transport(args.update_weight_transport, args.update_weight_backend, where)
+    load_format = flag_of(WeightSyncSettings, "load_format")
+    offload_params = flag_of(TrainerGroupSettings, "offload_train_params")
     if args.offload_train_params and args.update_weight_load_format == "mapped":
-        raise ValueError("--update-weight-load-format mapped has the engines keep the trainer's parameters mapped, "
-                         "and --offload-train-params frees them between pushes: drop one (auto picks "
-                         "flattened_bucket with --offload-train-params)")
+        raise ValueError(f"{load_format} mapped has the engines keep the trainer's parameters mapped, and "
+                         f"{offload_params} frees them between pushes: drop one (auto picks flattened_bucket with "
+                         f"{offload_params})")
     args.update_weight_load_format = resolve_load_format(args.update_weight_load_format, transport,
                                                          params_move=args.offload_train_params)
     if args.update_weight_load_format == "mapped" and transport != "tensor":
-        raise ValueError(f"--update-weight-load-format mapped hands the engines handles they keep mapped, which "
-                         f"needs --colocate (--update-weight-transport tensor); this run's transport is {transport}")
+        raise ValueError(f"{load_format} mapped hands the engines handles they keep mapped, which needs "
+                         f"{_COLOCATE} ({flag_of(WeightSyncSettings, 'transport')} tensor); this run's transport is "
+                         f"{transport}")
     if where.shared_gpu and transport == "distributed" and args.update_weight_backend == "auto":
-        log.warning("trainer rank 0 and an engine share a GPU (%s) without --colocate: weights go over gloo, "
-                    "through host memory; --colocate hands them over as CUDA IPC handles and lends the engines' "
-                    "KV cache memory to the trainer while it trains", where.shared_gpu)
+        log.warning("trainer rank 0 and an engine share a GPU (%s) without %s: weights go over gloo, through host "
+                    "memory; %s hands them over as CUDA IPC handles and lends the engines' KV cache memory to the "
+                    "trainer while it trains", where.shared_gpu, _COLOCATE, _COLOCATE)
     args.update_weight_transport, args.update_weight_backend = transport, backend

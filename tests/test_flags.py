@@ -11,7 +11,11 @@ import textwrap
 from dataclasses import dataclass, fields
 
 import pytest
+from arguments import LauncherSettings
 
+import buffer.settings
+import rollout_manager.settings
+import train_backend.settings
 from buffer.settings import BufferSettings
 from flags import SettingError, add_flags, flag, from_args
 from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutSettings,
@@ -96,7 +100,7 @@ def test_settings_built_in_code_name_the_field():
 
 # Settings classes whose checks name fields (SettingError), never flags written by hand
 _CONVERTED = (TrainSettings, MegatronSettings, BufferSettings, DataSettings, EngineFleetSettings, SamplingSettings,
-              PluginSettings, RolloutSettings)
+              PluginSettings, RolloutSettings, LauncherSettings)
 
 
 @pytest.mark.parametrize("cls", _CONVERTED, ids=lambda c: c.__name__)
@@ -104,15 +108,27 @@ def test_settings_checks_write_no_flag_by_hand(cls):
     """Every ``raise`` in the class (its ``__post_init__``, ``validate`` and their helpers) raises a
     SettingError whose strings hold no ``--flag``: flags come from the fields' declarations, and
     each ``{placeholder}`` names a field of the class."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    names = {f.name for f in fields(cls)}
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Raise) or node.exc is None:
-            continue
-        where = f"{cls.__name__}, line {node.lineno}: {ast.unparse(node)[:100]}"
+    _check_raises(textwrap.dedent(inspect.getsource(cls)), cls.__name__, {f.name for f in fields(cls)})
+
+
+@pytest.mark.parametrize("module", [rollout_manager.settings, train_backend.settings, buffer.settings],
+                         ids=lambda m: m.__name__)
+def test_settings_modules_write_no_flag_by_hand(module):
+    """The same for a whole settings module, its check helpers outside the classes too (the rollout
+    settings' ``_positive``: their placeholders are built from the names they are given)."""
+    _check_raises(inspect.getsource(module), module.__name__)
+
+
+def _check_raises(source: str, what: str, names: set[str] | None = None) -> None:
+    """Every ``raise`` in ``source`` raises a SettingError with no ``--`` in its strings (and, given
+    the fields' ``names``, no placeholder naming another)."""
+    raises = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Raise) and node.exc is not None]
+    for node in raises:
+        where = f"{what}, line {node.lineno}: {ast.unparse(node)[:100]}"
         assert isinstance(node.exc, ast.Call) and ast.unparse(node.exc.func) == "SettingError", where
         for s in ast.walk(node.exc):
             if isinstance(s, ast.Constant) and isinstance(s.value, str):
                 assert "--" not in s.value, f"a flag written by hand: {where}"
-                unknown = set(re.findall(r"\{([A-Za-z_]\w*)\}", s.value)) - names
-                assert not unknown, f"placeholders naming no field ({unknown}): {where}"
+                if names is not None:
+                    unknown = set(re.findall(r"\{([A-Za-z_]\w*)\}", s.value)) - names
+                    assert not unknown, f"placeholders naming no field ({unknown}): {where}"

@@ -7,9 +7,11 @@ import argparse
 import pytest
 from _fixtures_rollout import make_args
 
+from flags import SettingError
 from rollout_manager.arguments import add_arguments, split_sglang_args
 from rollout_manager.manager import RolloutManager
-from rollout_manager.settings import RolloutSettings
+from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutSettings,
+                                      SamplingSettings)
 
 
 def test_defaults_come_from_the_dataclasses():
@@ -50,6 +52,47 @@ def test_flags_reach_settings():
 def test_bad_flag_combinations_name_the_flags(argv, msg):
     with pytest.raises(ValueError, match=msg):
         make_args(argv)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    # the flags that set fields of other names: --rollout-max-retries sets max_request_retries, ...
+    (["--rollout-max-retries", "-1"], "--rollout-max-retries must be >= 0, got -1"),
+    (["--rollout-request-timeout", "0"], "--rollout-request-timeout must be > 0, got 0.0"),
+    (["--dynamic-sampling-max-dropped-ratio", "0"], "--dynamic-sampling-max-dropped-ratio must be > 0, got 0.0"),
+    (["--rollout-top-p", "2"], "--rollout-top-p must be in (0, 1], got 2.0"),
+    (["--rollout-max-context-len", "64", "--rollout-max-prompt-len", "64"],
+     "--rollout-max-prompt-len (64) must be below --rollout-max-context-len (64)"),
+    (["--sglang-router-port", "1"], "--sglang-router-ip and --sglang-router-port go together"),
+    (["--rm-type", "remote"], "--rm-type remote needs --rm-url (the reward model's address)"),
+])
+def test_settings_errors_from_flags_name_the_declared_flag(argv, msg):
+    """The settings classes' own checks, reached through the flags: the whole text, flags named."""
+    with pytest.raises(ValueError) as e:
+        make_args(argv)
+    assert str(e.value) == msg and not isinstance(e.value, SettingError)
+
+
+@pytest.mark.parametrize("build,msg", [
+    (lambda: SamplingSettings(rollout_top_p=2.0), "rollout_top_p must be in (0, 1], got 2.0"),
+    (lambda: SamplingSettings(max_request_retries=-1), "max_request_retries must be >= 0, got -1"),
+    (lambda: EngineFleetSettings(rollout_engine="sglang"),
+     "rollout_engine sglang needs rollout_num_gpus > 0 (SGLang runs on GPUs)"),
+    (lambda: PluginSettings(group_rm=True), "group_rm needs custom_rm_path (a batched reward function)"),
+    (lambda: DataSettings(rollout_max_context_len=1), "rollout_max_context_len must be >= 2, got 1"),
+])
+def test_settings_built_in_code_name_the_field(build, msg):
+    with pytest.raises(SettingError) as e:
+        build()
+    assert str(e.value) == msg
+
+
+def test_prompt_budget_defaults_to_the_context_budget_minus_one():
+    """slime's default, in the settings and in the namespace plugins read (slime sets it there)."""
+    assert DataSettings(rollout_max_context_len=64).rollout_max_prompt_len == 63
+    args, s = make_args(["--rollout-max-context-len", "64"])
+    assert args.rollout_max_prompt_len == s.data.rollout_max_prompt_len == 63
+    args, s = make_args(["--rollout-max-context-len", "64", "--rollout-max-prompt-len", "10"])
+    assert args.rollout_max_prompt_len == s.data.rollout_max_prompt_len == 10
 
 
 def test_sglang_passthrough():

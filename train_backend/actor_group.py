@@ -39,14 +39,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from flags import flag
+from flags import flag, flag_of
 from train_backend.interfaces import TrainSettings, create_backend
+from train_backend.megatron.arguments import MegatronSettings
 
 if TYPE_CHECKING:
     import ray
 
     from buffer.sample import Sample
-    from train_backend.megatron.arguments import MegatronSettings
     from weight_sync.interfaces import VersionSink, WeightSyncSettings
 
 # How long to wait for Ray to grant the ranks' GPUs before failing with the cluster's resources.
@@ -64,7 +64,8 @@ class TrainerGroupSettings:
 
     actor_num_nodes: int = flag(1, "nodes of trainer ranks")
     actor_num_gpus_per_node: int = flag(1, "trainer ranks per node (one GPU each; on the CPU: CPU ranks over gloo)")
-    colocate: bool = False  # the launcher's --colocate: rank i on GPU i of this node, beside engine i (module doc)
+    # the launcher's --colocate: rank i on GPU i of this node, beside engine i (module doc)
+    colocate: bool = flag(False, declared_elsewhere=True)
     offload_train: bool | None = flag(None, "keep the optimizer state (and fp32 master weights) in pinned host memory "
                                       "while the engines generate (default: on with --colocate on GPUs)")
     offload_train_params: bool = flag(False, "with --offload-train, the model parameters wait in host memory too "
@@ -83,36 +84,41 @@ class TrainerGroupSettings:
 
     def validate(self, train: TrainSettings, megatron: "MegatronSettings | None" = None) -> None:
         """Raise ``ValueError`` naming the flags of the first bad combination."""
+        nodes = flag_of(TrainerGroupSettings, "actor_num_nodes")
+        per_node = flag_of(TrainerGroupSettings, "actor_num_gpus_per_node")
+        colocate = flag_of(TrainerGroupSettings, "colocate")
+        offload = flag_of(TrainerGroupSettings, "offload_train")
+        device, backend = flag_of(TrainSettings, "device"), flag_of(TrainSettings, "backend")
+        tp_flag = flag_of(MegatronSettings, "tensor_model_parallel_size")
+        pp_flag = flag_of(MegatronSettings, "pipeline_model_parallel_size")
         if self.actor_num_nodes < 1:
-            raise ValueError(f"--actor-num-nodes={self.actor_num_nodes} must be >= 1")
+            raise ValueError(f"{nodes}={self.actor_num_nodes} must be >= 1")
         if self.actor_num_gpus_per_node < 1:
-            raise ValueError(f"--actor-num-gpus-per-node={self.actor_num_gpus_per_node} must be >= 1")
+            raise ValueError(f"{per_node}={self.actor_num_gpus_per_node} must be >= 1")
         world = self.world_size
-        ranks = (f"{world} trainer ranks (--actor-num-nodes {self.actor_num_nodes} x "
-                 f"--actor-num-gpus-per-node {self.actor_num_gpus_per_node})")
+        ranks = f"{world} trainer ranks ({nodes} {self.actor_num_nodes} x {per_node} {self.actor_num_gpus_per_node})"
         if world > 1 and ":" in train.device:
-            raise ValueError(f"--train-device {train.device} pins one device, but there are {ranks}: use "
-                             f"--train-device {train.device.split(':')[0]} (Ray gives each rank its own GPU)")
+            raise ValueError(f"{device} {train.device} pins one device, but there are {ranks}: use "
+                             f"{device} {train.device.split(':')[0]} (Ray gives each rank its own GPU)")
         tp = megatron.tensor_model_parallel_size if megatron else 1
         pp = megatron.pipeline_model_parallel_size if megatron else 1
         if train.backend == "megatron" and world % (tp * pp):
-            raise ValueError(f"{ranks} is not a multiple of --tensor-model-parallel-size {tp} x "
-                             f"--pipeline-model-parallel-size {pp}")
+            raise ValueError(f"{ranks} is not a multiple of {tp_flag} {tp} x {pp_flag} {pp}")
         if train.backend == "torch" and tp * pp > 1:
-            raise ValueError(f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} need "
-                             "--train-backend megatron (the torch backend shards over all ranks with FSDP2)")
+            raise ValueError(f"{tp_flag} {tp} / {pp_flag} {pp} need {backend} megatron (the torch backend shards "
+                             "over all ranks with FSDP2)")
         if self.colocate and self.actor_num_nodes > 1:
-            raise ValueError(f"--colocate with --actor-num-nodes {self.actor_num_nodes}: colocated engines run on "
-                             "the launcher's node, so the trainer ranks must too (--actor-num-nodes 1)")
+            raise ValueError(f"{colocate} with {nodes} {self.actor_num_nodes}: colocated engines run on the "
+                             f"launcher's node, so the trainer ranks must too ({nodes} 1)")
         if self.offload_train and not train.device.startswith("cuda"):
-            raise ValueError(f"--offload-train with --train-device {train.device}: it moves optimizer state from the "
-                             "GPU to the host; there is nothing to move on the CPU")
+            raise ValueError(f"{offload} with {device} {train.device}: it moves optimizer state from the GPU to the "
+                             "host; there is nothing to move on the CPU")
         if self.offload_train_params and not self.offloads(train):
-            raise ValueError("--offload-train-params moves the parameters with the optimizer state: it needs "
-                             "--offload-train (on by default with --colocate on GPUs)")
+            raise ValueError(f"{flag_of(TrainerGroupSettings, 'offload_train_params')} moves the parameters with the "
+                             f"optimizer state: it needs {offload} (on by default with {colocate} on GPUs)")
         if self.colocate and ":" in train.device:
-            raise ValueError(f"--colocate with --train-device {train.device}: colocation puts rank i on engine i's "
-                             f"GPU itself; use --train-device {train.device.split(':')[0]}")
+            raise ValueError(f"{colocate} with {device} {train.device}: colocation puts rank i on engine i's GPU "
+                             f"itself; use {device} {train.device.split(':')[0]}")
 
     def uses_gpus(self, train: TrainSettings) -> bool:
         """Whether Ray reserves a GPU per rank (``cuda`` without an index, not colocated)."""
