@@ -102,6 +102,66 @@ def test_a_dead_router_is_started_again_and_gets_its_engines_back(toy_model_dir,
     asyncio.run(go())
 
 
+def test_a_router_given_by_address_that_restarts_gets_the_engines_back(toy_model_dir, tmp_path):
+    """A router the user runs (``--sglang-router-ip``) is not ours to restart. SIGKILLed, the monitor
+    reports it down once and admits no engine; started again by its owner on its address, knowing
+    none of our workers, it gets the engines back and serves through the same URL."""
+    import subprocess
+    import sys
+
+    from sglang_protocol.net import free_port
+
+    host, port = "127.0.0.1", free_port("127.0.0.1")
+
+    def users_router() -> subprocess.Popen:  # as a user starts one: no control-plane keys
+        with open(tmp_path / "users_router.log", "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
+                                     str(port), "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+
+    async def listening() -> None:
+        while True:
+            try:
+                _, writer = await asyncio.open_connection(host, port)
+                writer.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.1)
+
+    _, settings = make_args(["--hf-checkpoint", str(toy_model_dir), "--rollout-num-engines", "1",
+                             "--health-check-interval", "0.2", "--sglang-router-ip", host,
+                             "--sglang-router-port", str(port)])
+    proc = users_router()
+
+    async def go() -> None:
+        nonlocal proc
+        await asyncio.wait_for(listening(), 60)
+        router = Router.attach(host, port)
+        fleet = EngineFleet(settings, router, tmp_path)
+        try:
+            await fleet.start()
+            assert await _versions_via_router(router, 2) == {"default"}
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            await _wait_event(fleet, "router down")
+            rounds = fleet.rounds
+            while fleet.rounds < rounds + 3:  # still down: said once, the monitor keeps running
+                await asyncio.sleep(0.05)
+            assert fleet.events.count("router down") == 1
+            proc = users_router()
+            await _wait_event(fleet, "router back")
+            await _wait_event(fleet, "engine 0 re-registered")
+            assert [w["url"] for w in await router.list_workers()] == fleet.urls
+            assert await _versions_via_router(router, 2) == {"default"}
+            assert fleet.router_restarts == 0  # its owner started it, not the fleet
+        finally:
+            await fleet.stop()
+    try:
+        asyncio.run(go())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_an_engine_a_dead_run_left_paused_serves_the_next_run(toy_model_dir, tmp_path):
     """Engines given by --engine-urls outlive a run; one whose trainer died inside a push leaves
     them paused (the session is the weight sender's to close: tests/test_sglang_conformance.py).
