@@ -85,8 +85,10 @@ def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: in
            "--output-dir", str(out / "run"), "--hf-checkpoint", str(model),
            "--prompt-data", str(model / "data/train.jsonl"), "--eval-prompt-data", str(model / "data/eval.jsonl"),
            "--num-rollout", str(max_steps), "--eval-interval", "50", "--no-plots"]
-    if mode == "async":
+    if mode.startswith("async"):
         cmd += ["--max-weight-staleness", "1"]
+    if mode == "async_tis":  # every group is one version behind in async mode: slime's off-policy correction
+        cmd += ["--use-tis"]
     metrics = out / "run" / "metrics.jsonl"
     t_launch = time.time()
     with open(out / "stdout.log", "w") as log:
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--work-dir", type=Path, default=None, help="runs go here (default: a new /tmp dir)")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse a toy model (default: build one)")
-    ap.add_argument("--modes", default="trl,sync,async")
+    ap.add_argument("--modes", default="trl,sync,async,async_tis")
     ap.add_argument("--cap-s", type=float, default=540.0, help="per Reservoir run, from process start")
     ap.add_argument("--trl-cap-s", type=float, default=720.0, help="TRL run, from the start of training")
     ap.add_argument("--max-steps", type=int, default=800)

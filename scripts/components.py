@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -15,9 +14,10 @@ import os
 import random
 import re
 import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -72,9 +72,7 @@ class Run:
             for start in parts:
                 start()
         else:  # the engines load their model while the trainer ranks build theirs
-            with concurrent.futures.ThreadPoolExecutor(max(1, len(parts))) as pool:
-                for started in [pool.submit(start) for start in parts]:
-                    started.result()
+            _side_by_side(parts)
         if run.s.load:
             run._resume(run.s.load)
         if run.trainer is not None and run.rollout is not None:
@@ -433,6 +431,28 @@ def start_ray(address: str | None) -> None:
               "(shell commands) from anyone who can reach it; unset it to keep Ray's token auth on", flush=True)
     ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=True,
              logging_level="WARNING")
+
+
+def _side_by_side(calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` each in its own thread and wait for all; raise the first one's error (in
+    ``calls`` order). Daemon threads: Ctrl-C while a part is starting ends the launcher at once
+    instead of waiting for that part."""
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            calls[i]()
+        except BaseException as e:  # handed to the waiting thread
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def error_line(e: BaseException) -> str:

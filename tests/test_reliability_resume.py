@@ -70,7 +70,7 @@ def check_exactly_once(out: Path, max_staleness: int) -> None:
     assert [r["buffer/duplicate_puts"] for r in steps] == [0] * STEPS
 
 
-def test_async_router_engine_and_driver_sigkills_then_load_train_every_group_once(toy_model_dir, tmp_path):
+def test_async_router_engine_buffer_driver_and_trainer_kills_then_load_train_every_group_once(toy_model_dir, tmp_path):
     """Async, one version of lag, two engines. First the router is SIGKILLed once step 1 took its
     batch and engine 0 once step 2 trained, each while the producer generates the next rollouts
     through them: the fleet's monitor starts each again (the engine back in the router only once
@@ -81,7 +81,9 @@ def test_async_router_engine_and_driver_sigkills_then_load_train_every_group_onc
     is killed mid step 5 (after train, before the push): the buffer is at version 5, two past the
     checkpoint's (step 2: version 3), and holds rollout 5, which the checkpoint cannot cover (it
     could start only at version 4, after that save). (Where the producer is when the buffer dies
-    is a race: inside its rollout or at its put; exactly once must hold either way.)"""
+    is a race: inside its rollout or at its put; exactly once must hold either way.) The resumed
+    run then loses its trainer rank in step 4 and ends naming the checkpoint; a second ``--load``
+    finishes the run."""
     out, ckpt = tmp_path / "async", tmp_path / "ckpt"
     # a lost group makes a get wait: fail in a minute (a healthy wait is one rollout) instead of hanging
     flags = ["--max-weight-staleness", "1", "--buffer-get-timeout", "60", "--rollout-num-engines", "2",
@@ -94,9 +96,15 @@ def test_async_router_engine_and_driver_sigkills_then_load_train_every_group_onc
     assert "starting it again" in first.stdout, first.stdout[-4000:]  # the monitor saw the router die
     assert "SIGKILL driver at after_train of step 5" in first.stdout
     assert json.loads((ckpt / "latest.json").read_text())["step"] == 2
-    second = train(toy_model_dir, out, ckpt, *flags, "--load", str(ckpt))
-    assert second.returncode == 0, second.stdout[-6000:]
+    # the resumed run loses its trainer rank once step 4 took its batch: it ends, naming the
+    # checkpoint, with the producer stopped
+    second = train(toy_model_dir, out, ckpt, *flags, "--load", str(ckpt), crash_at="trainer@after_get:4")
+    assert second.returncode == 1, second.stdout[-6000:]
     resumed = [line for line in second.stdout.splitlines() if line.startswith("resumed from")]
     assert resumed and int(resumed[0].split(", ")[-1].split()[0]) >= 1, resumed  # rollout 5 generated again
+    assert "trainer rank 0 died" in second.stdout, second.stdout[-4000:]
+    assert f"the last checkpoint is step 2's: add --load {ckpt}" in second.stdout
+    third = train(toy_model_dir, out, ckpt, *flags, "--load", str(ckpt))
+    assert third.returncode == 0, third.stdout[-6000:]
     check_exactly_once(out, max_staleness=1)
 
