@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -183,3 +184,16 @@ class SettingError(ValueError):
         if lead and lead.group(1) in self.fields:
             return message
         return f"{', '.join(name(f) or f for f in self.fields)}: {message}"
+
+
+_BOUNDS = {">": operator.gt, ">=": operator.ge}
+
+
+def check_bound(settings: Any, op: str, bound: float, *names: str) -> None:
+    """For a settings class's checks: a :class:`SettingError` for the first of the fields ``names``
+    that is set (not None) and not ``op bound`` (``op``: ``">"`` or ``">="``), e.g.
+    ``check_bound(self, ">", 0, "lr")`` -> ``"lr must be > 0, got -1.0"`` (the flag, built from flags)."""
+    for name in names:
+        value = getattr(settings, name)
+        if value is not None and not _BOUNDS[op](value, bound):
+            raise SettingError(name, "{" + name + "}" + f" must be {op} {bound}, got {value}")

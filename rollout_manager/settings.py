@@ -10,26 +10,9 @@ Components take the settings; only plugins see the argparse namespace (slime's p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from flags import SettingError, flag
+from flags import SettingError, check_bound, flag
 from plugins.rewards import REMOTE_RMS
-
-
-def _positive(settings: Any, *names: str) -> None:
-    """SettingError for the first of the fields ``names`` that is set and not > 0."""
-    for name in names:
-        value = getattr(settings, name)
-        if value is not None and value <= 0:
-            raise SettingError(name, "{" + name + "}" + f" must be > 0, got {value}")
-
-
-def _non_negative(settings: Any, *names: str) -> None:
-    """SettingError for the first of the fields ``names`` that is < 0."""
-    for name in names:
-        value = getattr(settings, name)
-        if value < 0:
-            raise SettingError(name, "{" + name + "}" + f" must be >= 0, got {value}")
 
 
 @dataclass
@@ -51,7 +34,7 @@ class DataSettings:
     strict_data: bool = flag(False, "a malformed prompt line is an error (default: skip it and count it)")
 
     def __post_init__(self) -> None:
-        _positive(self, "rollout_max_prompt_len", "num_epoch")
+        check_bound(self, ">", 0, "rollout_max_prompt_len", "num_epoch")
         context = self.rollout_max_context_len
         if context is None:
             return
@@ -110,9 +93,9 @@ class EngineFleetSettings:
     weight_update_masters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _positive(self, "rollout_num_engines", "rollout_num_gpus_per_engine", "engine_startup_timeout",
-                  "health_check_interval", "health_check_timeout")
-        _non_negative(self, "rollout_num_gpus")
+        check_bound(self, ">", 0, "rollout_num_engines", "rollout_num_gpus_per_engine", "engine_startup_timeout",
+                    "health_check_interval", "health_check_timeout")
+        check_bound(self, ">=", 0, "rollout_num_gpus")
         if (self.sglang_router_ip is None) != (self.sglang_router_port is None):
             raise SettingError(("sglang_router_ip", "sglang_router_port"),
                                "{sglang_router_ip} and {sglang_router_port} go together")
@@ -168,15 +151,16 @@ class SamplingSettings:
                                             "--rollout-max-context-len)")
 
     def __post_init__(self) -> None:
-        _positive(self, "n_samples_per_prompt", "rollout_batch_size", "over_sampling_batch_size",
-                  "rollout_max_response_len", "sglang_server_concurrency", "request_timeout",
-                  "n_samples_per_eval_prompt", "eval_max_response_len", "eval_max_context_len", "max_dropped_ratio")
-        _non_negative(self, "max_request_retries")
+        check_bound(self, ">", 0, "n_samples_per_prompt", "rollout_batch_size", "over_sampling_batch_size",
+                    "rollout_max_response_len", "sglang_server_concurrency", "request_timeout",
+                    "n_samples_per_eval_prompt", "eval_max_response_len", "eval_max_context_len",
+                    "max_dropped_ratio")
+        check_bound(self, ">=", 0, "max_request_retries")
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
             raise SettingError(("over_sampling_batch_size", "rollout_batch_size"),
                                f"{{over_sampling_batch_size}} ({self.over_sampling_batch_size}) must be >= "
                                f"{{rollout_batch_size}} ({self.rollout_batch_size})")
-        _non_negative(self, "rollout_temperature", "eval_temperature")
+        check_bound(self, ">=", 0, "rollout_temperature", "eval_temperature")
         if not 0 < self.rollout_top_p <= 1:
             raise SettingError("rollout_top_p", f"{{rollout_top_p}} must be in (0, 1], got {self.rollout_top_p}")
         if self.rollout_request_granularity not in REQUEST_GRANULARITIES:  # argparse checks the CLI, not code
@@ -241,7 +225,7 @@ class PluginSettings:
 
     def __post_init__(self) -> None:
         # rm_type's own values: arguments.settings_from_args (plugins.rewards.check_rm_type names its flag)
-        _positive(self, "reward_timeout", "custom_generate_timeout", "filter_timeout")
+        check_bound(self, ">", 0, "reward_timeout", "custom_generate_timeout", "filter_timeout")
         if self.rm_url and self.custom_rm_path:
             raise SettingError(("rm_url", "custom_rm_path"),
                                "{rm_url} and {custom_rm_path} were both given: choose one reward")

@@ -19,7 +19,7 @@ from typing import Any
 
 from buffer.settings import BufferSettings
 from config import load_config_defaults
-from flags import SettingError, add_flags, flag, flag_of, from_args
+from flags import SettingError, add_flags, check_bound, flag, flag_of, from_args
 from rollout_manager.settings import EngineFleetSettings, RolloutSettings, SamplingSettings
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import TrainSettings
@@ -77,12 +77,7 @@ class LauncherSettings:
         if self.load_debug_rollout_data and not self.debug_train_only:
             raise SettingError(("load_debug_rollout_data", "debug_train_only"),
                                "{load_debug_rollout_data} is only read with {debug_train_only}")
-        if self.num_rollout < 1:
-            raise SettingError("num_rollout", f"{{num_rollout}} must be >= 1, got {self.num_rollout}")
-        for name in ("save_interval", "eval_interval"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise SettingError(name, "{" + name + "}" + f" must be >= 1, got {value}")
+        check_bound(self, ">=", 1, "num_rollout", "save_interval", "eval_interval")
         if self.save_interval and not self.save:
             raise SettingError(("save_interval", "save"), "{save_interval} needs {save} (the checkpoint directory)")
 
