@@ -14,6 +14,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from sglang_protocol.buckets import parse_dtype
 from sglang_protocol.net import dumps, loads
@@ -373,9 +374,28 @@ def _tags(b: dict) -> list[str]:
     return tags
 
 
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR with a traceback; sglang-router sends each
+    worker an HTTP/2 preface at start-up, which is such a request (answered 400). SGLang's uvicorn
+    logs one as a one-line warning; so do we."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = "Invalid HTTP request received (%s)"
+            record.args = (" ".join(line.strip() for line in str(exc).splitlines()[:2]),)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_bad_request_filter = _OneLineBadRequests()
+
+
 async def start_server(settings: EngineSettings, engine: Engine | None = None) -> tuple[web.AppRunner, Engine]:
     """Build the engine (unless given) and serve it on settings.host:port in the running loop."""
     engine = engine or Engine(settings)
+    logging.getLogger("aiohttp.server").addFilter(_bad_request_filter)  # a set: added once
     runner = web.AppRunner(engine.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()

@@ -53,7 +53,7 @@ def train_records(records: list[dict]) -> list[dict]:
 
 
 def test_sync_grpo_learns_with_exact_weights_and_logprobs(warm_toy, tmp_path):
-    n = 60
+    n = 100
     records = run_train(warm_toy, tmp_path / "sync", "--num-rollout", str(n), "--eval-interval", str(n),
                         "--check-weight-update-equal", "--use-tensorboard")
     steps = train_records(records)
@@ -67,9 +67,12 @@ def test_sync_grpo_learns_with_exact_weights_and_logprobs(warm_toy, tmp_path):
     assert all(r["buffer/leased_groups"] == 0 and r["buffer/commits"] == r["step"] + 1 for r in steps)
     # Rollouts of step k ran on the weights of version k (sync mode is strictly on-policy).
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
-    first = sum(r["rollout/reward_mean"] for r in steps[:10]) / 10
-    last = sum(r["rollout/reward_mean"] for r in steps[-10:]) / 10
-    assert last > first + 0.04, (first, last)  # ~0.21 -> ~0.33 in measured runs
+    # Reward rises. In 60 steps the mean of the last 10 rose by 0.07-0.11 over the first 10's in 5
+    # runs, but by 0.04 in a CI run (noise: rollouts are sampled); in 100 steps, over 8 runs, the
+    # last 20 rose by 0.086-0.122 over the first 20 (mean 0.104, sd 0.013): 0.05 is 4 sd below.
+    first = sum(r["rollout/reward_mean"] for r in steps[:20]) / 20
+    last = sum(r["rollout/reward_mean"] for r in steps[-20:]) / 20
+    assert last > first + 0.05, (first, last)
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, n]
     assert list((tmp_path / "sync" / "tensorboard").glob("events.*"))
