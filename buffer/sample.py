@@ -68,23 +68,28 @@ class SpecInfo:
 
     @property
     def spec_accept_rate(self) -> float:
+        """Accepted draft tokens per drafted token (0.0 when nothing was drafted)."""
         return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num else 0.0
 
     @property
     def spec_accept_length(self) -> float:
+        """Completion tokens per verify step (0.0 before any verify step)."""
         return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
     def add(self, meta_info: dict) -> None:
+        """Add the counters from one engine response's ``meta_info`` (a missing key counts 0)."""
         self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
         self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
         self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
         self.completion_token_num += meta_info.get("completion_tokens", 0)
 
     def to_dict(self) -> dict[str, int]:
+        """The counters as a dict keyed by field name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @staticmethod
     def from_dict(data: dict) -> "SpecInfo":
+        """Inverse of ``to_dict``; a missing counter is 0."""
         return SpecInfo(**{f.name: data.get(f.name, 0) for f in fields(SpecInfo)})
 
 
@@ -97,17 +102,21 @@ class PrefixCacheInfo:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
+        """Share of prompt tokens served from SGLang's prefix cache (0.0 when none were counted)."""
         return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
 
     def add(self, meta_info: dict) -> None:
+        """Add ``cached_tokens`` and ``prompt_tokens`` from one engine response's ``meta_info``."""
         self.cached_tokens += meta_info.get("cached_tokens", 0)
         self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
 
     def to_dict(self) -> dict[str, int]:
+        """The counters as a dict keyed by field name."""
         return {"cached_tokens": self.cached_tokens, "total_prompt_tokens": self.total_prompt_tokens}
 
     @staticmethod
     def from_dict(data: dict) -> "PrefixCacheInfo":
+        """Inverse of ``to_dict``; a missing counter is 0."""
         return PrefixCacheInfo(data.get("cached_tokens", 0), data.get("total_prompt_tokens", 0))
 
 
@@ -172,6 +181,7 @@ class Sample:
 
     @property
     def response_tokens(self) -> list[int]:
+        """The generated part of ``tokens`` (its last ``response_length`` tokens)."""
         return self.tokens[self.prompt_length :]
 
     @property
@@ -181,6 +191,7 @@ class Sample:
 
     @property
     def oldest_weight_version(self) -> int | None:
+        """The oldest policy version in ``weight_versions``; None when no segment was generated yet."""
         return min(self.weight_versions) if self.weight_versions else None
 
     @property
@@ -288,6 +299,10 @@ class Sample:
         return sample
 
     def copy(self, **changes: Any) -> "Sample":
+        """A new Sample with ``changes`` applied (``dataclasses.replace``).
+
+        Shallow: lists and dicts are shared with this sample, and attributes a plugin added are not carried over.
+        """
         return replace(self, **changes)
 
 
@@ -381,4 +396,5 @@ def group_oldest_version(group: list[Sample]) -> int:
 
 
 def flatten(groups: list[list[Sample]]) -> list[Sample]:
+    """The samples of all groups as one list, in group order."""
     return [s for g in groups for s in g]

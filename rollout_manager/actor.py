@@ -39,43 +39,62 @@ class RolloutManagerActor:
         self._m = RolloutManager(settings, args, log_dir)
 
     async def start(self) -> list[str]:
+        """Start (or attach to) the router and start the engines; returns the engine URLs.
+
+        Raises RuntimeError when called a second time.
+        """
         await self._m.start()
         return self._m.engine_urls
 
     async def engine_urls(self) -> list[str]:
+        """The engines' URLs (empty before ``start``)."""
         return self._m.engine_urls
 
     async def router_url(self) -> str | None:
+        """The router's base URL (http://host:port); None before ``start``."""
         return self._m.router_url
 
     async def generate(self, rollout_id: int, evaluation: bool = False) -> tuple[list[list[Sample]], dict]:
+        """One rollout step: its groups and their ``rollout/...`` metrics (``RolloutManager.generate``)."""
         return await self._m.generate(rollout_id, evaluation)
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """One evaluation pass: its ``eval/...`` metrics (``RolloutManager.evaluate``)."""
         return await self._m.evaluate(rollout_id)
 
     async def push(self, rollout_id: int, buffer: Any) -> dict[str, float]:
+        """Generate step ``rollout_id`` into ``buffer`` (a handle or a buffer actor's name); returns its metrics.
+
+        Groups the buffer gave back as stale are regenerated first; waits while the buffer is full.
+        """
         return await self._m.push(rollout_id, _buffer(buffer))
 
     async def pause(self) -> None:
+        """Before a weight update: stop sending requests and abort the running ones (they resume after ``resume``)."""
         await self._m.pause()
 
     async def resume(self) -> None:
+        """Let generation continue after ``pause`` (under the engines' new weights)."""
         await self._m.resume()
 
     async def state_dict(self) -> dict[str, Any]:
+        """The data source's state for a checkpoint (a slime data source without ``state_dict`` saves itself)."""
         return self._m.state_dict()
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the data source from what ``state_dict`` returned."""
         self._m.load_state_dict(state)
 
     async def kill(self, target: str) -> None:
+        """Fault injection: SIGKILL the router this manager started (``"router"``) or engine 0 (``"engine"``)."""
         self._m.kill(target)
 
     async def shutdown(self) -> None:
+        """Stop the engines and the router this manager started."""
         await self._m.shutdown()
 
     async def ping(self) -> bool:
+        """True once the actor is up (``create_rollout_manager_actor`` waits on it to surface construction errors)."""
         await asyncio.sleep(0)
         return True
 

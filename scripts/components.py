@@ -58,6 +58,11 @@ class Run:
     # --- start-up ------------------------------------------------------------------------
     @classmethod
     def start(cls, args: argparse.Namespace, settings: RunSettings) -> "Run":
+        """Build the run: Ray, buffer, rollout manager, trainer ranks; then resume (``--load``) and connect weight sync.
+
+        The rollout side and the trainer start side by side (one after the other with ``--colocate``). Raises
+        ValueError for a bad setting found while starting a part.
+        """
         run = cls(args, settings)
         run._maybe_build_toy_model()
         run._seed(settings.train.seed)
@@ -177,6 +182,7 @@ class Run:
 
     # --- the schedule's steps --------------------------------------------------------------
     def progress(self, steps: Iterable[int]):
+        """A tqdm progress bar over ``steps``, starting at ``start_step`` of ``--num-rollout``."""
         from tqdm import tqdm
 
         return tqdm(steps, desc="train" if not self.s.debug_rollout_only else "rollout", unit="step",
@@ -220,6 +226,10 @@ class Run:
         return groups
 
     def train(self, step: int, groups: list[list[Any]]) -> None:
+        """Train on this step's groups; their metrics wait for ``log_step`` (no-op with ``--debug-rollout-only``).
+
+        With ``--colocate`` the engines first release their GPU memory to the trainer.
+        """
         if self.trainer is None:  # --debug-rollout-only
             return
         if self.engine_memory is not None:  # --colocate: the engines' KV cache goes to the trainer
@@ -286,6 +296,10 @@ class Run:
         return {"rollout": self._producer.position_after(last), "rollouts_put": last}
 
     def should_eval(self, step: int, before_train: bool = False) -> bool:
+        """Whether to evaluate at ``step``: every ``--eval-interval`` steps and at the last one.
+
+        ``before_train``: unless ``--skip-eval-before-train``. Never without ``--eval-interval`` or a rollout side.
+        """
         if not self.s.eval_interval or self.rollout is None:
             return False
         if before_train:
@@ -293,6 +307,7 @@ class Run:
         return step % self.s.eval_interval == 0 or step == self.s.num_rollout
 
     def evaluate(self, step: int) -> None:
+        """Run the rollout manager's evaluation, log its ``eval/...`` metrics at ``step`` and print the accuracy."""
         import ray
 
         with self._timer("perf/eval_time"):
@@ -302,6 +317,7 @@ class Run:
                                                    if k in ("eval/accuracy", "eval/reward_mean")), flush=True)
 
     def log_step(self, step: int, step_time: float) -> None:
+        """Log this step's collected metrics (trainer, rollout, buffer, ``perf/...``) at ``step`` and start afresh."""
         self._pending["perf/step_time"] = step_time
         if self._producer is not None:  # the producer's rollouts finished since the last step
             self._pending.update(_mean_metrics(self._producer.drain_metrics()))
@@ -312,6 +328,10 @@ class Run:
         self._pending = {}
 
     def finish(self) -> None:
+        """Tear down: stop the async producer, close the trainer ranks, shut the rollout manager down, close the log.
+
+        Then plots the metrics (unless ``--no-plots``) and shuts Ray down if this run started it.
+        """
         import ray
 
         if self._producer is not None:  # stops after its rollout in progress (or at shutdown)

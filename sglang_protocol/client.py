@@ -53,6 +53,7 @@ class EngineClient:
         self._admin_headers = _auth(admin_api_key or api_key)
 
     async def close(self) -> None:
+        """Close the HTTP session if this client owns it (a shared ``session`` stays open)."""
         if self._owns_session:
             await self._session.close()
 
@@ -126,21 +127,40 @@ class EngineClient:
         return out
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        """POST /abort_request: abort request ``rid``, or every request with ``abort_all``.
+
+        A real SGLang server matches ``rid`` as a prefix (see ``batch_rids``).
+        """
         return await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all}, admin=True)
 
     async def pause_generation(self, mode: str = "abort") -> Any:
+        """POST /pause_generation: stop generating until ``continue_generation``.
+
+        SGLang's ``mode``: ``abort`` (in-flight requests are aborted and return), ``retract`` (they go back to the
+        waiting queue) or ``in_place`` (they stay, with their KV cache).
+        """
         return await self.request("POST", "/pause_generation", {"mode": mode}, admin=True)
 
     async def continue_generation(self) -> Any:
+        """POST /continue_generation: resume generation after ``pause_generation``."""
         return await self.request("POST", "/continue_generation", {}, admin=True)
 
     async def flush_cache(self) -> Any:
+        """POST /flush_cache: clear the engine's KV (prefix) cache.
+
+        SGLang refuses while requests are pending (HTTP 400: raises EngineError).
+        """
         return await self.request("POST", "/flush_cache", admin=True)
 
     # --- weights ---------------------------------------------------------------------------
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str,
                                         timeout: float | None = None) -> dict:
+        """POST /init_weights_update_group: join the weight-update group ``group_name`` from ``rank_offset``.
+
+        Trainer rank 0 hosts the rendezvous at ``master_address:master_port`` and must join meanwhile
+        (``weight_sync.link.open_link``); the call returns once the group is formed.
+        """
         return await self.request("POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend}, timeout, admin=True)
@@ -170,6 +190,11 @@ class EngineClient:
                                               group_name: str, weight_version: str | None = None,
                                               flush_cache: bool = True, load_format: str | None = None,
                                               timeout: float | None = None) -> dict:
+        """POST /update_weights_from_distributed: receive the tensors ``names`` over group ``group_name``.
+
+        Rank 0 broadcasts them while this request is in flight (``weight_sync.link.send_bucket``);
+        ``weight_version``, if given, becomes the version the engine reports.
+        """
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "flush_cache": flush_cache}
         if weight_version is not None:
@@ -184,10 +209,15 @@ class EngineClient:
         return await self.request("POST", "/update_weights_from_tensor", body, timeout, admin=True)
 
     async def destroy_weights_update_group(self, group_name: str) -> dict:
+        """POST /destroy_weights_update_group: leave the weight-update group ``group_name``."""
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name}, admin=True)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        timeout: float | None = None) -> dict:
+        """POST /update_weights_from_disk: load the weights at ``model_path`` (a path on the engine's host).
+
+        ``weight_version``, if given, becomes the version the engine reports.
+        """
         payload: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = weight_version
@@ -218,6 +248,7 @@ class EngineClient:
 
     # --- health and info -------------------------------------------------------------------
     async def health(self, timeout: float | None = 5.0) -> bool:
+        """GET /health: True when the server answers, False on an HTTP error, a timeout or no connection."""
         try:
             await self.request("GET", "/health", timeout=timeout)
             return True
@@ -225,6 +256,7 @@ class EngineClient:
             return False
 
     async def health_generate(self, timeout: float | None = 30.0) -> bool:
+        """GET /health_generate (SGLang generates one token when idle): True on success, False as ``health``."""
         try:
             await self.request("GET", "/health_generate", timeout=timeout)
             return True
@@ -232,9 +264,11 @@ class EngineClient:
             return False
 
     async def model_info(self) -> dict:
+        """GET /model_info: the model path, ``weight_version`` (SGLang 0.5.22+) and other model facts."""
         return await self.request("GET", "/model_info")
 
     async def server_info(self) -> dict:
+        """GET /server_info: the server's launch arguments and live scheduler state."""
         return await self.request("GET", "/server_info")
 
 

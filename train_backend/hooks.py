@@ -128,6 +128,10 @@ class TrainHooks:
 
     @classmethod
     def load(cls, settings: TrainSettings) -> "TrainHooks":
+        """Load the hooks whose flags ``settings`` sets (each checked against slime's signature) and their ``args``.
+
+        Raises ValueError naming the flag and the path when one cannot be loaded.
+        """
         from plugins.loader import load_function
 
         fns = {}
@@ -140,19 +144,26 @@ class TrainHooks:
 
     # --- call sites ---------------------------------------------------------------------------
     def call_init(self) -> None:
+        """Call ``--custom-megatron-init-path`` with ``args``, if set."""
         if self.init is not None:
             self.init(self.args)
 
     def call_before_log_prob(self, model: list[torch.nn.Module], store_prefix: str) -> None:
+        """Call ``--custom-megatron-before-log-prob-hook-path``, if set, with the model chunks and ``store_prefix``."""
         if self.before_log_prob is not None:
             self.before_log_prob(self.args, model, store_prefix)
 
     def call_before_train_step(self, rollout_id: int, step_id: int, model: list[torch.nn.Module], optimizer: Any,
                                scheduler: Any) -> None:
+        """Call ``--custom-megatron-before-train-step-hook-path``, if set, before optimizer step ``step_id``."""
         if self.before_train_step is not None:
             self.before_train_step(self.args, rollout_id, step_id, model, optimizer, scheduler)
 
     def build_model(self, pre_process: bool, post_process: bool) -> torch.nn.Module:
+        """One pipeline stage from ``--custom-model-provider-path`` (``vp_stage=None`` when it takes one).
+
+        Raises ValueError when the provider does not return a ``torch.nn.Module``.
+        """
         import inspect
 
         assert self.model_provider is not None
