@@ -243,7 +243,7 @@ class Run:
         if not self.weight_sync_connected:
             return
         with self._timer("perf/weight_sync_time"):
-            metrics = self.trainer.push_weights(version)
+            metrics = self.trainer.push_weights(version, self._fault_in_push(version - 1))
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
         if self.engine_memory is not None:  # --colocate: the new weights are in; the KV cache comes back
             with self._timer("perf/resume_memory_time"):
@@ -408,7 +408,8 @@ class Run:
         there), ``buffer@<point>:<step>`` (SIGKILL the buffer actor's process, then go on) and
         ``trainer@<point>:<step>`` (kill the last trainer rank's process, then go on: the next
         trainer call fails), ``router@<point>:<step>`` and ``engine@<point>:<step>`` (SIGKILL the
-        router, or engine 0, then go on: the fleet's monitor restarts it)."""
+        router, or engine 0, then go on: the fleet's monitor restarts it). One point lies inside a
+        call: ``trainer@in_push:<step>`` (``_fault_in_push``)."""
         import ray
 
         for spec in filter(None, os.environ.get(CRASH_ENV, "").split(",")):
@@ -427,6 +428,19 @@ class Run:
                 ray.get(self.rollout.kill.remote(target))
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _fault_in_push(self, step: int) -> Callable[[int, int], None] | None:
+        """``trainer@in_push:<step>`` in ``RESERVOIR_CRASH_AT``: a push progress callback with
+        which trainer rank 0, the pushing rank, SIGKILLs itself once the engines answered the first
+        bucket of step ``step``'s push, so it dies with the engines paused, inside a weight-update
+        session, holding part of the new weights. Else None."""
+        if f"trainer@in_push:{step}" not in os.environ.get(CRASH_ENV, "").split(","):
+            return None
+        print(f"{CRASH_ENV}: SIGKILL trainer rank 0 in the push of step {step}", flush=True)
+
+        def die(done: int, total: int) -> None:  # defined here: Ray pickles it by value for rank 0
+            os.kill(os.getpid(), signal.SIGKILL)
+        return die
 
     @contextlib.contextmanager
     def _timer(self, key: str):

@@ -140,24 +140,35 @@ def test_two_trainer_ranks_push_exact_weights_a_dead_rank_ends_the_run_and_load_
     gathered weights; the engines hold exactly the trainer's weights after every push. Rank 1's
     process is killed once step 2 took its batch (issue 16: a trainer rank crash): rank 0 is left
     in a collective, yet the run ends at once with an error naming the rank and the checkpoint to
-    resume from; ``--load`` then trains every group exactly once."""
+    resume from. The resumed run loses rank 0 inside its push of step 2, after the engines took the
+    first of its buckets (they are left paused, in a weight-update session, with part of the new
+    weights): it ends the same way, its engines stopped. ``--load`` then trains every group exactly
+    once, and the engines it re-synced hold the trainer's weights exactly."""
     out, ckpt = tmp_path / "dp2", tmp_path / "ckpt"
     extra = ["--actor-num-gpus-per-node", "2", "--check-weight-update-equal", "--save", str(ckpt),
              "--rollout-batch-size", "8", "--num-rollout", "3", "--save-interval", "2",
+             "--update-weight-buffer-size", str(64 * 1024),  # ~10 buckets: a push can die in its middle
              "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet")]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="trainer@after_get:2")
-    proc = subprocess.run(train_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
-    lines = proc.stderr.splitlines()
-    verdict = [i for i, line in enumerate(lines) if line.startswith("scripts/train.py: error: step 2: ")]
-    assert verdict and "trainer rank 1 died during train_step" in lines[verdict[0]], proc.stderr[-5000:]
-    assert lines[verdict[0] + 1] == f"the last checkpoint is step 1's: add --load {ckpt} to resume from it"
+
+    def run_to_a_dead_rank(crash_at: str, verdict_text: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT=crash_at)
+        load = ["--load", str(ckpt)] if (ckpt / "latest.json").exists() else []
+        proc = subprocess.run(train_cmd(warm_toy, out, *extra, *load), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=400)
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+        lines = proc.stderr.splitlines()
+        verdict = [i for i, line in enumerate(lines) if line.startswith("scripts/train.py: error: step 2: ")]
+        assert verdict and verdict_text in lines[verdict[0]], proc.stderr[-5000:]
+        assert lines[verdict[0] + 1] == f"the last checkpoint is step 1's: add --load {ckpt} to resume from it"
+
+    run_to_a_dead_rank("trainer@after_get:2", "trainer rank 1 died during train_step")
     steps = train_records([json.loads(line) for line in open(out / "metrics.jsonl")])
     assert [r["step"] for r in steps] == [0, 1]
     assert steps[0]["train/train_rollout_logp_abs_diff"] < 1e-4  # sharded trainer == engines at step 0
     assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/engines"] == 2 for r in steps)
+    assert all(r["weight_sync/num_buckets"] >= 8 for r in steps)
     assert sorted(p.name for p in (ckpt / "step_000001" / "trainer").glob("rng_*.pt")) == ["rng_0.pt", "rng_1.pt"]
+    run_to_a_dead_rank("trainer@in_push:2", "trainer rank 0 died during push_weights")
     steps = train_records(run_train(warm_toy, out, *extra, "--load", str(ckpt)))
     assert [r["step"] for r in steps] == [0, 1, 2] and steps[-1]["weight_sync/version"] == 3.0
     # the resumed policy is the trained one: still on-policy against the engines it re-synced

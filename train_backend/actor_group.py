@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from flags import flag, flag_of
 from train_backend.interfaces import TrainSettings, create_backend
@@ -265,16 +265,16 @@ class TrainerRank:
         self.sender = WeightSender(settings, version_sink=version_sink, post_write=post_write)
         self.sender.connect(engine_urls, engine_gpus)
 
-    def push_weights(self, version: int) -> dict[str, float]:
-        """Gather the full weights (collective on every rank); rank 0 pushes them to the engines.
-        Gathered completely before the push starts, so a failing push never leaves the other
-        ranks waiting in the middle of the gather."""
+    def push_weights(self, version: int, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+        """Gather the full weights (collective on every rank); rank 0 pushes them to the engines
+        (``progress``: ``WeightSender.push``'s). Gathered completely before the push starts, so a
+        failing push never leaves the other ranks waiting in the middle of the gather."""
         named = list(self.backend.named_hf_weights())
         metrics: dict[str, float] = {}
         if self.rank == 0:
             if self.sender is None:
                 raise RuntimeError("push_weights: connect_weight_sync was not called")
-            metrics = self.sender.push(named, version)
+            metrics = self.sender.push(named, version, progress)
         del named  # the gathered copies (FSDP2, TP/PP) count in this phase, not the next
         if self.cuda:
             metrics.update(self._memory_phase("weight_sync"))
@@ -391,9 +391,11 @@ class TrainerGroup:
         self._gather([self.ranks[0].connect_weight_sync.remote(settings, engine_urls, engine_gpus, version_sink)],
                      "connect_weight_sync")
 
-    def push_weights(self, version: int) -> dict[str, float]:
-        """Every rank gathers the full weights; rank 0 pushes them; returns its push metrics."""
-        return self._gather([r.push_weights.remote(version) for r in self.ranks], "push_weights")[0]
+    def push_weights(self, version: int, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+        """Every rank gathers the full weights; rank 0 pushes them; returns its push metrics.
+        ``progress(done, total)`` runs in rank 0's process after each bucket."""
+        calls = [r.push_weights.remote(version, progress if i == 0 else None) for i, r in enumerate(self.ranks)]
+        return self._gather(calls, "push_weights")[0]
 
     def close(self) -> None:
         """Leave the weight-update group (unless a rank failed: the others may be stuck in a
