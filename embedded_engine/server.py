@@ -395,7 +395,7 @@ _bad_request_filter = _OneLineBadRequests()
 async def start_server(settings: EngineSettings, engine: Engine | None = None) -> tuple[web.AppRunner, Engine]:
     """Build the engine (unless given) and serve it on settings.host:port in the running loop."""
     engine = engine or Engine(settings)
-    logging.getLogger("aiohttp.server").addFilter(_bad_request_filter)  # a set: added once
+    logging.getLogger("aiohttp.server").addFilter(_bad_request_filter)  # kept once however often called
     runner = web.AppRunner(engine.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
