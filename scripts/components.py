@@ -412,13 +412,7 @@ class Run:
         call: ``trainer@in_push:<step>`` (``_fault_in_push``)."""
         import ray
 
-        for spec in filter(None, os.environ.get(CRASH_ENV, "").split(",")):
-            target, _, where = spec.rpartition("@")
-            if where != f"{point}:{step}":
-                continue
-            if target not in ("", "buffer", "trainer", "router", "engine"):
-                raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} "
-                                 "(buffer, trainer, router, engine, or none)")
+        for target in _crash_targets(point, step):
             print(f"{CRASH_ENV}: SIGKILL {target or 'driver'} at {point} of step {step}", flush=True)
             if target == "buffer":
                 os.kill(ray.get(self.buffer.ping.remote()), signal.SIGKILL)
@@ -434,7 +428,7 @@ class Run:
         which trainer rank 0, the pushing rank, SIGKILLs itself once the engines answered the first
         bucket of step ``step``'s push, so it dies with the engines paused, inside a weight-update
         session, holding part of the new weights. Else None."""
-        if f"trainer@in_push:{step}" not in os.environ.get(CRASH_ENV, "").split(","):
+        if "trainer" not in _crash_targets("in_push", step):
             return None
         print(f"{CRASH_ENV}: SIGKILL trainer rank 0 in the push of step {step}", flush=True)
 
@@ -465,6 +459,21 @@ def start_ray(address: str | None) -> None:
               "(shell commands) from anyone who can reach it; unset it to keep Ray's token auth on", flush=True)
     ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=True,
              logging_level="WARNING")
+
+
+def _crash_targets(point: str, step: int) -> list[str]:
+    """What ``RESERVOIR_CRASH_AT`` kills at ``point`` of ``step`` (``""``: the driver); raises
+    ValueError for a spec there naming an unknown target (see ``Run.crash_point``)."""
+    targets = []
+    for spec in filter(None, os.environ.get(CRASH_ENV, "").split(",")):
+        target, _, where = spec.rpartition("@")
+        if where != f"{point}:{step}":
+            continue
+        if target not in ("", "buffer", "trainer", "router", "engine"):
+            raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} "
+                             "(buffer, trainer, router, engine, or none)")
+        targets.append(target)
+    return targets
 
 
 def _side_by_side(calls: list[Callable[[], None]]) -> None:
