@@ -2,6 +2,8 @@
 same-GPU copy of the same bytes.
 
     python bench/weight_sync_colocated.py            # 0.5B / 1.5B / 7B llama-family sets, bf16, one GPU
+    python bench/weight_sync_colocated.py --engine sglang   # the same into a real SGLang server
+                                     # (writes bench/results/weight_sync_colocated_sglang.json)
 
 For each weight set (``bench/weight_sync.py``'s shapes and random bf16 weights, held as the torch
 trainer holds them for ``--update-weight-load-format mapped``: ``torch.nn.Parameter`` objects in one
@@ -39,6 +41,10 @@ import torch  # noqa: E402
 _spec = importlib.util.spec_from_file_location("bench_weight_sync", ROOT / "bench" / "weight_sync.py")
 _ws = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ws)
+# real SGLang servers: the GPU tier's start/stop (tests/_fixtures_sglang.py)
+_spec = importlib.util.spec_from_file_location("fixtures_sglang", ROOT / "tests" / "_fixtures_sglang.py")
+_sgl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_sgl)
 
 GiB = 1024 ** 3
 TARGETED = ["1.5B", "7B"]
@@ -62,7 +68,7 @@ def bare_copy(named, dst: list[torch.Tensor], flat_src: torch.Tensor, flat_dst: 
 
 def bench_set(name: str, args, work: Path) -> dict:
     from sglang_protocol.net import free_port
-    from weight_sync.engines import EngineMemory, check_equal
+    from weight_sync.engines import EngineMemory, check_equal, fetch_params
     from weight_sync.interfaces import WeightSyncSettings
     from weight_sync.sender import WeightSender
 
@@ -82,7 +88,13 @@ def bench_set(name: str, args, work: Path) -> dict:
     nbytes = sum(x.numel() * x.element_size() for _, x in named)
     model = _ws.write_template(name, work)
     port = free_port()
-    proc = _ws.start_engine(model, args.device, port, extra=("--load-format", "dummy", "--custom-weight-loader", LOADER))
+    if args.engine == "sglang":  # its own loaders and memory saver; dummy weights, no tokenizer on disk needed
+        proc = _sgl.start_sglang(model, port, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                                 "--custom-weight-loader", LOADER, "--enable-memory-saver", "--mem-fraction-static",
+                                 "0.3", "--disable-cuda-graph", log=work / f"sglang_{name}.log")
+    else:
+        proc = _ws.start_engine(model, args.device, port,
+                                extra=("--load-format", "dummy", "--custom-weight-loader", LOADER))
     url = f"http://127.0.0.1:{port}"
     senders = []
     try:
@@ -121,6 +133,9 @@ def bench_set(name: str, args, work: Path) -> dict:
         for (fmt, bucket), snd, rs in zip(args.variants, senders, pushes):
             version += 1
             snd.push(named, version=version)
+            for e in snd.engines:  # how each compares: checksums (embedded), a read-back (SGLang)
+                e.check_equal = True
+                snd._loop.run(fetch_params(e, 600.0), timeout=900)
             check_s = snd._loop.run(check_equal(snd.engines, named, 600.0), timeout=900)
             push_s = statistics.median(x["weight_sync/time_s"] for x in rs)
             variants[f"{fmt}:{bucket}"] = {
@@ -141,9 +156,16 @@ def bench_set(name: str, args, work: Path) -> dict:
     finally:
         for snd in senders:
             snd.close()
-        proc.terminate()
-        proc.wait(60)
+        if args.engine == "sglang":
+            _sgl.stop_sglang(proc)
+        else:
+            proc.terminate()
+            proc.wait(60)
         _ws.shutil_rmtree(model)
+
+
+def _engine_version(engine: str) -> str | None:
+    return _sgl.sglang_version() if engine == "sglang" else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -154,8 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="LOAD_FORMAT:BUCKET_BYTES pushes timed on the same engine (the first is the head)")
     ap.add_argument("--device", default="cuda:0", help="the one GPU the trainer and the engine share")
     ap.add_argument("--workdir", default="/tmp/bench_ws_colocated")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync_colocated.json"))
+    ap.add_argument("--engine", choices=["embedded", "sglang"], default="embedded",
+                    help="the engine pushed into: the embedded engine or a real SGLang server")
+    ap.add_argument("--out", default=None, help="default: bench/results/weight_sync_colocated[_sglang].json")
     args = ap.parse_args(argv)
+    args.out = args.out or str(ROOT / "bench" / "results" /
+                               f"weight_sync_colocated{'_sglang' if args.engine == 'sglang' else ''}.json")
     args.variants = [(v.partition(":")[0], int(v.partition(":")[2])) for v in args.variants]
     cuda = args.device.startswith("cuda")
     if cuda:
@@ -171,9 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"({v['push_gib_s']:6.1f} GiB/s)  ceiling {s['ceiling_gib_s']:7.1f} GiB/s  ratio {v['ratio']:.3f}  "
                   f"handoff {s['handoff_release_s'] * 1e3:.1f} + {s['handoff_resume_s'] * 1e3:.1f} ms", flush=True)
         targeted = [sets[k]["ratio"] for k in TARGETED if k in sets]
-        result = {"name": "weight_sync_colocated", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        result = {"name": Path(args.out).stem, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "machine": f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}",
                   "command": "python bench/weight_sync_colocated.py " + " ".join(argv or sys.argv[1:]),
+                  "engine": args.engine, "engine_version": _engine_version(args.engine),
                   "metrics": {"variants": [f"{f}:{b}" for f, b in args.variants], "repeats": args.repeats,
                               "sets": sets},
                   "ratio": min(targeted) if targeted else None, "target": TARGET}

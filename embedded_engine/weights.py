@@ -158,6 +158,7 @@ class WeightManager:
         self.groups: dict[str, _Group] = {}
         self._params = runner.named_tensors()
         self._backup: dict[str, torch.Tensor] | None = None  # weights offloaded by release_memory
+        self._released: set[str] = set()  # tags released and not yet resumed (SGLang's offload_tags)
         # Timings of the last buckets received (``/server_info`` shows them): where a push's
         # time goes on the engine side. perf_counter is CLOCK_MONOTONIC, comparable across
         # processes of one host, so the trainer can line these up with its own timeline.
@@ -502,6 +503,7 @@ class WeightManager:
         if self.scheduler.load()["num_reqs"]:
             raise WeightUpdateError("requests are in flight: abort or finish them before releasing memory")
         self.scheduler.pause("in_place")
+        self._released.update(tags)
         if "weights" in tags and self.runner.device.type != "cpu" and self._backup is None:
             params = self._params
 
@@ -517,7 +519,13 @@ class WeightManager:
             self._backup = await asyncio.wrap_future(self.scheduler.run_command(offload))
 
     async def resume_memory(self, tags: list[str]) -> None:
-        """Bring released memory back and continue generation (SGLang's resume_memory_occupation)."""
+        """Bring released memory back and continue generation (SGLang's resume_memory_occupation).
+        A tag that was not released is refused, as SGLang's scheduler fails on it (a restarted
+        engine holds all its memory: resuming it is the caller's mistake)."""
+        never = [t for t in tags if t not in self._released]
+        if never:
+            raise WeightUpdateError(f"tags: {never[0]!r} was not released (release_memory_occupation first)")
+        self._released.difference_update(tags)
         if self._backup is not None and "weights" in tags:
             params, backup, dev = self._params, self._backup, self.runner.device
 

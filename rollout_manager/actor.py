@@ -50,6 +50,10 @@ class RolloutManagerActor:
         """The engines' URLs (empty before ``start``)."""
         return self._m.engine_urls
 
+    async def engine_restarts(self) -> dict[str, int]:
+        """Per engine URL, how often the fleet restarted it (``RolloutManager.engine_restarts``)."""
+        return self._m.engine_restarts()
+
     async def router_url(self) -> str | None:
         """The router's base URL (http://host:port); None before ``start``."""
         return self._m.router_url

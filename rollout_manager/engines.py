@@ -186,10 +186,9 @@ async def engine_gpus(settings: RolloutSettings, urls: list[str]) -> list[int]:
     async def one(url: str) -> int:
         async with EngineClient(url, timeout=60, api_key=e.api_key, admin_api_key=e.admin_api_key) as c:
             try:
-                info = await c.server_info()
+                return await c.gpu_count()
             except EngineError as err:
                 raise RuntimeError(f"--engine-urls {url}: cannot read /server_info for its GPU count: {err}") from err
-        return int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
     return list(await asyncio.gather(*(one(u) for u in urls)))
 
 

@@ -170,6 +170,11 @@ class RolloutManager:
     def router_url(self) -> str | None:
         return self.router.url if self.router is not None else None
 
+    def engine_restarts(self) -> dict[str, int]:
+        """Per engine URL, how often the fleet started it again (a colocated run's ``EngineMemory``
+        does not resume memory that a restarted engine never released)."""
+        return {e.url: e.restarts for e in self.fleet.engines} if self.fleet is not None else {}
+
     def _need_started(self) -> RolloutContext:
         if self.ctx is None:
             raise RuntimeError("RolloutManager is not started: await start() first")

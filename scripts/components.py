@@ -128,7 +128,9 @@ class Run:
         if self.s.colocate and not self.s.debug_rollout_only:
             from weight_sync.engines import EngineMemory
 
-            self.engine_memory = EngineMemory(self.engine_urls, self._sync_settings)
+            rollout = self.rollout
+            self.engine_memory = EngineMemory(self.engine_urls, self._sync_settings,
+                                              restarts=lambda: ray.get(rollout.engine_restarts.remote()))
             self.engine_memory.release()  # before the trainer builds its model; back once the weights are in
 
     def _weight_update_access(self) -> dict[str, list[str]]:
@@ -161,8 +163,10 @@ class Run:
         e = self.settings.rollout.engines
         dtype = sglang_serving_dtype(e.sglang_args, self.settings.train.hf_checkpoint) \
             if e.rollout_engine == "sglang" and not e.engine_urls else None
+        # the fleet restarts the engines it started: a push that finds none live waits for one
+        wait = e.engine_startup_timeout if e.restart_dead_engines and not e.engine_urls else 0.0
         return dataclasses.replace(self.settings.sync, api_key=e.api_key, admin_api_key=e.admin_api_key,
-                                   engine_dtype=dtype)
+                                   engine_dtype=dtype, engine_wait_s=wait)
 
     def _connect_weight_sync(self) -> None:
         from rollout_manager.engines import engine_gpus

@@ -271,6 +271,20 @@ class EngineClient:
         """GET /server_info: the server's launch arguments and live scheduler state."""
         return await self.request("GET", "/server_info")
 
+    async def gpu_count(self) -> int:
+        """The GPUs (ranks in a weight-update group) the server runs on: ``/server_info``'s
+        ``tp_size`` x ``pp_size`` (a missing field counts as 1: the embedded engine)."""
+        info = await self.server_info()
+        return int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int, timeout: float | None = None) -> list:
+        """POST /get_weights_by_name (SGLang's ``GetWeightsByNameReqInput``): the first
+        ``truncate_size`` rows of parameter ``name`` (an HF name) as nested float lists, read from
+        TP rank 0; the server answers 400 where its model cannot read a name back (SGLang
+        implements it for llama-family models only)."""
+        return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
+                                  timeout=timeout, admin=True)
+
 
 def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` -> ``http://host:port``."""

@@ -324,15 +324,16 @@ def test_colocated_ranks_are_pinned_to_their_gpu(ray_local):  # noqa: F811
 
 
 # --- the launcher, end to end ------------------------------------------------------------------------
-def _train(model: Path, out: Path, config: str, *extra: str, timeout: float = 400) -> tuple[list[dict], str]:
+def _train(model: Path, out: Path, config: str, *extra: str, timeout: float = 400,
+           env: dict[str, str] | None = None) -> tuple[list[dict], str]:
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / config),
            "--hf-checkpoint", str(model), "--prompt-data", str(model / "data/train.jsonl"),
            "--eval-prompt-data", str(model / "data/eval.jsonl"), "--output-dir", str(out), "--no-build-toy-model",
            "--no-plots", "--buffer-name", f"buf-{out.name}", *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(line) for line in open(out / "metrics.jsonl")], proc.stdout
+    return [json.loads(line) for line in open(out / "metrics.jsonl")], proc.stdout + proc.stderr  # Ray actors log to stderr
 
 
 def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
@@ -354,6 +355,32 @@ def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
     assert not any(k.startswith("memory/") for r in steps for k in r)  # GPU memory: on GPUs only
     assert [r["step"] for r in records if "eval/accuracy" in r] == [3]
+
+
+def test_colocated_run_survives_losing_its_only_engine(toy_model_dir, tmp_path):
+    """One colocated engine, SIGKILLed after step 1 trained (released, paused, holding version 1):
+    the push of version 2 finds no live engine and waits while the fleet restarts it; the restarted
+    engine gets version 2 before it serves again (it is back in the router only at the fleet's
+    version), its memory, never released, is not resumed (SGLang fails on that; so does the
+    embedded engine), and the run ends with every group trained once, each rollout on the
+    version before it."""
+    out = tmp_path / "lost"
+    records, stdout = _train(toy_model_dir, out, "examples/toy/grpo_cpu.yaml", "--colocate", "--num-rollout", "4",
+                             "--rollout-num-engines", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                             "--eval-interval", "1000", "--skip-eval-before-train", "--health-check-interval", "0.5",
+                             "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"),
+                             env={"RESERVOIR_CRASH_AT": "engine@after_train:1"})
+    assert "SIGKILL engine at after_train of step 1" in stdout
+    assert "push v2: no live engine; waiting" in stdout, stdout[-3000:]
+    assert "was restarted while its memory was released" in stdout, stdout[-3000:]
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert steps[1]["weight_sync/revived"] == 1 and steps[1]["weight_sync/attempts"] == 2
+    assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
+    from buffer.arrow import read_parquet
+
+    trained = [g[0].group_index for step in range(4) for g in read_parquet(out / f"dump_{step}.parquet")]
+    assert sorted(trained) == list(range(16)), trained
 
 
 @pytest.mark.gpu

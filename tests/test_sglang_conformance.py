@@ -320,3 +320,35 @@ def test_a_trainer_that_died_inside_a_push_leaves_nothing_the_next_one_trips_on(
     assert "continue_generation" in control[begins[1]:]
     for r in _get(url, "/oracle/received")["ranks"]:
         _assert_received(r, _weights(21))
+
+
+def test_connect_learns_gpu_counts_and_the_check_reads_back_through_sglang(oracles):
+    """``connect`` without GPU counts reads each engine's ``/server_info`` (SGLang's ``ServerArgs``:
+    TP=2 joins as two ranks); ``--check-weight-update-equal`` against a server without
+    ``/weights_checksum`` reads every pushed tensor back through SGLang's ``/get_weights_by_name``
+    route, scheduler handler, TP worker and weight exporter, compares it with the trainer's (bf16
+    and fp32 tensors, as pushed) and names a tensor that differs."""
+    from weight_sync.engines import check_equal
+
+    named = _weights(9)
+    with WeightSender(_settings(admin_api_key=ADMIN_KEY, check_equal=True)) as sender:
+        sender.connect([oracles["keyed"], oracles["tp2"]])
+        assert [e.gpus for e in sender.engines] == [1, 2]
+        assert [e.check for e in sender.engines] == ["readback", "readback"]
+        m = sender.push(named, version=12)
+        assert m["weight_sync/check_s"] > 0 and m["weight_sync/attempts"] == 1
+        changed = [(n, t.clone()) for n, t in named]
+        changed[4][1][2] += 1.0  # model.norm.weight, fp32
+        with pytest.raises(RuntimeError, match="weight 'model.norm.weight' differs on engine .*1 of 5 elements"):
+            sender._loop.run(check_equal(sender.engines, changed, 60.0), timeout=120)
+
+
+def test_the_check_is_refused_where_sglang_cannot_read_weights_back(oracles, monkeypatch):
+    """A model SGLang cannot read back (its ``/get_weights_by_name`` fails, as for Qwen2 in 0.5.15)
+    is refused at connect, naming the flag, before any engine is paused."""
+    import weight_sync.engines as engines
+
+    monkeypatch.setattr(engines, "_PROBE", "model.no_such.weight")
+    with WeightSender(_settings(check_equal=True)) as sender:
+        with pytest.raises(ValueError, match="--check-weight-update-equal: engine .* cannot read its weights back"):
+            sender.connect([oracles["old"]])

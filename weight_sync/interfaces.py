@@ -66,8 +66,11 @@ class WeightSyncSettings:
     group_name: base name of the weight-update group (a generation suffix is added on reconnect).
     timeout_s: bound on every HTTP call and every collective of a push: a dead or stuck engine
         never holds the trainer longer than this.
-    check_equal: after a push, compare every engine's per-tensor checksums with the trainer's
-        (``/weights_checksum``: the embedded engine's; SGLang has none, so ``connect`` refuses it).
+    check_equal: after a push, compare every engine's weights with the trainer's: per-tensor
+        checksums of every byte where the engine serves ``/weights_checksum`` (the embedded engine),
+        else a read-back with SGLang's ``/get_weights_by_name`` (each tensor's leading rows, all of
+        a tensor of up to 2^18 elements; llama-family models); ``connect`` refuses an engine with
+        neither (``weight_sync/engines.py``).
     retries: how many times a failed push is redone (on the engines still alive) before raising.
     disk_dir: where the disk transport writes checkpoints (must be readable by the engines).
     disk_keep: how many pushed checkpoints to keep in ``disk_dir``.
@@ -83,6 +86,10 @@ class WeightSyncSettings:
         sends half the bytes to a bf16 engine, and never holds a second full copy of the model);
         engines that list their parameters (``/weights_info``) are cast to the dtypes they report.
         None: such engines get the trainer's dtype and cast at load, as SGLang's loaders do.
+    engine_wait_s: how long a push that finds no live engine waits for a dead one to answer again
+        before it fails (0: fail at once). The launcher sets it to ``--engine-startup-timeout``
+        when its fleet restarts the engines it started (``--restart-dead-engines``), so losing the
+        only engine costs that engine's restart, not the run.
     """
 
     transport: str = flag("auto", "auto: tensor with --colocate, else distributed; distributed: broadcast over a "
@@ -107,8 +114,10 @@ class WeightSyncSettings:
     group_name: str = flag("reservoir_weight_sync", name="--update-weight-group-name")
     timeout_s: float = flag(120.0, "seconds: bound on each HTTP call and collective of a push",
                             name="--update-weight-timeout")
-    check_equal: bool = flag(False, "after each push, check every engine's per-tensor checksums against the "
-                             "trainer's", name="--check-weight-update-equal")
+    check_equal: bool = flag(False, "after each push, compare every engine's weights with the trainer's "
+                             "(the embedded engine: checksums of every tensor; SGLang: /get_weights_by_name "
+                             "read-back of each tensor's leading rows, llama-family models)",
+                             name="--check-weight-update-equal")
     retries: int = flag(1, "times a failed push is redone on the engines still alive", name="--update-weight-retries")
     disk_dir: str | None = flag(None, "directory for the disk transport's checkpoints (readable by the engines)",
                                 name="--update-weight-disk-dir")
@@ -117,6 +126,7 @@ class WeightSyncSettings:
     api_key: str | None = None
     admin_api_key: str | None = None
     engine_dtype: str | None = None
+    engine_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +162,8 @@ class WeightSyncSettings:
             raise SettingError("hf_checkpoint", "required when transport is 'disk'")
         if not self.group_name:
             raise SettingError("group_name", "must not be empty")
+        if self.engine_wait_s < 0:
+            raise SettingError("engine_wait_s", f"{self.engine_wait_s}: must be >= 0")
         if self.engine_dtype is not None and not is_float_dtype(self.engine_dtype):
             raise SettingError("engine_dtype", f"{self.engine_dtype!r}: expected a floating-point dtype name")
 

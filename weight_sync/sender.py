@@ -110,15 +110,16 @@ class WeightSender:
     def connect(self, engine_urls: list[str], engine_gpus: list[int] | None = None) -> None:
         """Register the engines and (distributed transport) join them in the weight-update group.
 
-        ``engine_gpus[i]``: GPUs (TP ranks) of engine i (default 1 each); engine i takes ranks
-        from ``1 + sum(engine_gpus[:i])``. Also fetches each engine's parameter list for validation.
+        ``engine_gpus[i]``: GPUs (TP ranks) of engine i (default: what each engine's
+        ``/server_info`` reports, ``tp_size`` x ``pp_size``); engine i takes ranks from
+        ``1 + sum(engine_gpus[:i])``. Also fetches each engine's parameter list for validation.
         """
         if self.engines:
             raise RuntimeError("connect: already connected (call close() first)")
         if not engine_urls:
             raise ValueError("engine_urls: at least one engine is needed")
-        gpus = list(engine_gpus) if engine_gpus is not None else [1] * len(engine_urls)
-        if len(gpus) != len(engine_urls) or any(g < 1 for g in gpus):
+        gpus = list(engine_gpus) if engine_gpus is not None else None  # None: asked of each engine
+        if gpus is not None and (len(gpus) != len(engine_urls) or any(g < 1 for g in gpus)):
             raise ValueError(f"engine_gpus {engine_gpus}: need one count >= 1 per engine url")
         if len(set(engine_urls)) != len(engine_urls):
             raise ValueError(f"engine_urls {engine_urls}: duplicate url")
@@ -227,12 +228,16 @@ class WeightSender:
         if self.version_sink is not None:  # the buffer's: buffer.retry.BufferVersionSink (survives its restart)
             self.version_sink(version)
 
-    async def _connect(self, urls: list[str], gpus: list[int]) -> None:
+    async def _connect(self, urls: list[str], gpus: list[int] | None) -> None:
         t = self.settings.timeout_s
-        self.engines = [EngineState(normalize_url(u), g, EngineClient(u, timeout=t, api_key=self.settings.api_key,
+        self.engines = [EngineState(normalize_url(u), 1, EngineClient(u, timeout=t, api_key=self.settings.api_key,
                                                                 admin_api_key=self.settings.admin_api_key),
-                                    check_equal=self.settings.check_equal) for u, g in zip(urls, gpus)]
+                                    check_equal=self.settings.check_equal) for u in urls]
         await asyncio.gather(*(fetch_params(e, self.settings.timeout_s) for e in self.engines))
+        if gpus is None:  # each engine joins the group with one rank per GPU (SGLang: rank_offset + tp_rank)
+            gpus = await asyncio.gather(*(_gpu_count(e) for e in self.engines))
+        for e, g in zip(self.engines, gpus):
+            e.gpus = g
         if self.settings.transport == "tensor" and self.settings.load_format == "mapped":
             refused = await asyncio.gather(*(_check_loader_allowed(e) for e in self.engines), return_exceptions=True)
             refused = [r for r in refused if isinstance(r, BaseException)]
@@ -280,6 +285,23 @@ class WeightSender:
             e.alive, back = True, back + 1
         return back
 
+    async def _wait_for_engine(self, specs: list[TensorSpec], version: int) -> int:
+        """No engine is live: poll the dead ones until one answers ``/health`` again (restarted, it
+        serves its checkpoint; this push brings it to ``version`` before the fleet lets it serve),
+        at most ``engine_wait_s``. Returns how many came back (0: none in time)."""
+        s = self.settings
+        logger.warning("push v%d: no live engine; waiting up to %.0f s for one to come back (a restarted engine "
+                       "gets this push before it serves again)", version, s.engine_wait_s)
+        deadline = time.monotonic() + s.engine_wait_s
+        while time.monotonic() < deadline:
+            back = await self._revive(specs)
+            if back:
+                logger.warning("push v%d: %d engine(s) back after %.1f s", version, back,
+                               s.engine_wait_s - (deadline - time.monotonic()))
+                return back
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        return 0
+
     async def _drop_link_if_restarted(self) -> None:
         """An engine that reports another weight version than the last one it received was restarted
         (it serves its checkpoint and has left the group): rebuild the group before sending, rather
@@ -303,6 +325,9 @@ class WeightSender:
         await self._drop_link_if_restarted()
         for attempt in range(s.retries + 1):
             members = [e for e in self.engines if e.alive]
+            if not members and s.engine_wait_s > 0:  # the fleet restarts dead engines: wait for one
+                revived += await self._wait_for_engine(specs, version)
+                members = [e for e in self.engines if e.alive]
             if not members:
                 raise RuntimeError(f"push v{version}: no live engine left ({self.engine_status()})") from last_error
             t0 = time.perf_counter()
@@ -582,6 +607,15 @@ class WeightSender:
         for e in self.engines:
             await e.client.close()
         await asyncio.sleep(0.05)  # aiohttp closes transports on the next loop iterations
+
+
+async def _gpu_count(e: EngineState) -> int:
+    """Engine ``e``'s GPUs from its ``/server_info``; RuntimeError naming it when that cannot be read."""
+    try:
+        return await e.client.gpu_count()
+    except Exception as err:
+        raise RuntimeError(f"engine {e.url}: cannot read /server_info for its GPU count (pass engine_gpus): "
+                           f"{err}") from err
 
 
 async def _check_loader_allowed(e: EngineState) -> None:

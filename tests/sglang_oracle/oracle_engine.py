@@ -53,12 +53,30 @@ class _RecordingModel:
 
         self.received: dict[str, "torch.Tensor"] = {}
         self.storages: dict[str, list[int]] = {}  # per name, the storage each load got (its C pointer)
+        self.loaded: dict[str, "torch.Tensor"] = {}  # the checkpoint, as loaded at start-up
         self._dummy = torch.nn.Linear(1, 1)
 
     def load_weights(self, named) -> None:
         for name, t in named:
             self.received[name] = t.detach().clone()
             self.storages.setdefault(name, []).append(t.untyped_storage()._cdata)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, tp_size: int = 1):
+        """As SGLang's llama model answers it: the parameter's leading rows as float32 lists (here
+        as received: no stacked or sharded layout); None for a name it does not hold, as SGLang's
+        model runner answers after catching the model's error."""
+        import torch
+
+        t = self.received.get(name, self.loaded.get(name))
+        return None if t is None else t.to(torch.float32).numpy().tolist()[:truncate_size]
+
+    def load_checkpoint(self, model_path: str) -> None:
+        """What the server holds before any push: the checkpoint's tensors (SGLang loads them at
+        start-up); kept apart from ``received``, which records pushes only."""
+        from safetensors.torch import load_file
+
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            self.loaded.update(load_file(str(f)))
 
     def modules(self):  # SGLang's updater scans modules for derived-weight caches
         return iter([self._dummy])
@@ -87,22 +105,27 @@ def tp_rank_main(rank: int, tp_size: int, store_port: int, server_argv: list[str
     import sglang.srt.runtime_context as rc
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tp_worker import BaseTpWorker
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     rc.get_parallel().override_permanently(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD),
                                            tp_rank=rank, tp_size=tp_size)
     model = _RecordingModel()
+    model.load_checkpoint(server_args.model_path)
     updater = WeightUpdater(tp_rank=rank, device="cpu", gpu_id=0, model_config=None,
                             custom_weight_loaders=server_args.custom_weight_loader or [],
                             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
                             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
-    runner = types.SimpleNamespace(weight_updater=updater)
+    exporter = WeightExporter(tp_rank=rank, tp_size=tp_size, gpu_id=0, get_model_path=lambda: server_args.model_path,
+                              get_model=lambda: model)  # /get_weights_by_name reads through it
+    runner = types.SimpleNamespace(weight_updater=updater, weight_exporter=exporter)
     tp_worker = types.SimpleNamespace(model_runner=runner, weight_update_runners=lambda: [("target", runner)])
     # SGLang's TP worker methods, run on this stand-in worker (they only delegate to the runner)
     tp_worker.init_weights_update_group = lambda req: BaseTpWorker.init_weights_update_group(tp_worker, req)
     tp_worker.destroy_weights_update_group = lambda req: BaseTpWorker.destroy_weights_update_group(tp_worker, req)
     # /update_weights_from_tensor: each rank opens its own entry of serialized_named_tensors
     tp_worker.deserialize_own_rank = lambda payloads: BaseTpWorker.deserialize_own_rank(tp_worker, payloads)
+    tp_worker.get_weights_by_name = lambda req: BaseTpWorker.get_weights_by_name(tp_worker, req)
     versions: list = []
     scheduler = types.SimpleNamespace(record_weight_version_change=lambda new_version: versions.append(new_version))
     manager = SchedulerWeightUpdaterManager(tp_worker=tp_worker, draft_worker=None, memory_saver_adapter=None,
@@ -127,6 +150,9 @@ def tp_rank_main(rank: int, tp_size: int, store_port: int, server_argv: list[str
             continue
         if op == "memory":
             conn.send({"events": list(memory), "offloaded": sorted(manager.offload_tags)})
+            continue
+        if op == "get_weights_by_name":  # SGLang's scheduler-side handler; its output carries the rows
+            conn.send(manager.get_weights_by_name(req).parameter)
             continue
         if op in ("release_memory_occupation", "resume_memory_occupation"):  # their outputs carry no status
             try:
@@ -319,6 +345,10 @@ class OracleTokenizerManager:
             self.weight_version = obj.weight_version
             msg += f" Weight version updated to {obj.weight_version}."
         return ok, msg
+
+    async def get_weights_by_name(self, obj, request=None):
+        """As SGLang's tokenizer manager: every rank is asked, rank 0's answer is returned (dp 1)."""
+        return (await self.ranks.call("get_weights_by_name", obj))[0]
 
     async def release_memory_occupation(self, obj, request=None):
         """Every TP rank runs SGLang's scheduler-side release; SGLang's route answers null, or an
