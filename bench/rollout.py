@@ -189,15 +189,20 @@ B_PATHS = ("manager_group", "manager_sample", "direct", "direct_batch", "via_rou
 
 
 async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, repeats: int,
-                 dispatch: str = "router") -> dict[str, float]:
+                 dispatch: str = "router", engine_urls: list[str] | None = None,
+                 per_engine: int = 64) -> dict[str, float]:
+    """``engine_urls``: servers already running (e.g. real SGLang, ``bench/rollout_sglang.py``) instead
+    of ``engines`` embedded engines started here; ``per_engine``: requests in flight per engine."""
     from _fixtures_rollout import make_args, toy_argv
 
     from rollout_manager.generate import sampling_params
     from rollout_manager.manager import RolloutManager
 
-    args, settings = make_args(toy_argv(model, "--rollout-num-engines", str(engines), "--n-samples-per-prompt", str(n),
+    where = ["--engine-urls", *engine_urls] if engine_urls else ["--rollout-num-engines", str(engines)]
+    engines = len(engine_urls) if engine_urls else engines
+    args, settings = make_args(toy_argv(model, *where, "--n-samples-per-prompt", str(n),
                                         "--rollout-batch-size", str(batch), "--rollout-max-response-len", str(max_len),
-                                        "--rollout-temperature", "0", "--sglang-server-concurrency", "64",
+                                        "--rollout-temperature", "0", "--sglang-server-concurrency", str(per_engine),
                                         "--rollout-dispatch", dispatch))
     m = RolloutManager(settings, args, log_dir=tempfile.mkdtemp(prefix="bench-rollout-"))
     await m.start()

@@ -200,6 +200,21 @@ def _evals(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
 
 
+def _record(name: str, records: list[dict], wall_s: float) -> None:
+    """Each launcher run's eval curve and step-time medians, printed and, with ``RESERVOIR_TIER_OUT``
+    set (a folder), written there as ``<name>.json`` (what bench/results/e2e_sglang.json records)."""
+    import statistics
+
+    steps = [r for r in records if "train/loss" in r][1:]  # step 0 includes first-use JIT
+    keys = ("perf/step_time", "perf/rollout_time", "perf/train_time", "perf/weight_sync_time",
+            "perf/release_memory_time", "perf/resume_memory_time", "weight_sync/time_s", "weight_sync/check_s")
+    out = {"eval": _evals(records), "wall_s": wall_s, "steps": len(steps) + 1,
+           "median": {k: statistics.median(r[k] for r in steps) for k in keys if all(k in r for r in steps)}}
+    print(name, json.dumps(out))
+    if os.environ.get("RESERVOIR_TIER_OUT"):
+        Path(os.environ["RESERVOIR_TIER_OUT"], f"{name}.json").write_text(json.dumps(out, indent=2))
+
+
 def test_launcher_colocated_torch_loses_its_only_engine(toy, tmp_path):
     """The launcher as a user runs it on one GPU with real SGLang (CUDA graphs on): every push read
     back and checked; SGLang SIGKILLed after step 4 trained: the push waits for the restart, the
@@ -222,15 +237,15 @@ def test_launcher_colocated_torch_loses_its_only_engine(toy, tmp_path):
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
     trained = [g[0].group_index for k in range(steps_n) for g in read_parquet(out / f"dump_{k}.parquet")]
     assert sorted(trained) == list(range(steps_n * 16))
+    _record("launcher_torch_sglang", records, time.monotonic() - t0)
     ev = _evals(records)
-    print("eval", ev, "step medians", {k: sorted(r[k] for r in steps)[steps_n // 2] for k in
-                                       ("perf/rollout_time", "perf/train_time", "perf/weight_sync_time")})
     assert ev[steps_n] > ev[0], ev
 
 
 def test_launcher_colocated_megatron(toy, tmp_path):
+    t0 = time.monotonic()
     records, _ = _launch(toy, tmp_path / "megatron", "--train-backend", "megatron", "--num-rollout", "12",
                          "--eval-interval", "6", "--check-weight-update-equal")
+    _record("launcher_megatron_sglang", records, time.monotonic() - t0)
     ev = _evals(records)
-    print("eval", ev)
     assert ev[12] > ev[0], ev

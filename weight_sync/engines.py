@@ -70,8 +70,8 @@ async def fetch_params(e: EngineState, timeout_s: float) -> None:
         if e.check_equal:
             await _probe_readback(e, timeout_s)
         else:
-            logger.warning("engine %s lists no parameters (no /weights_info or /weights_checksum: an SGLang "
-                           "server); a push to it is checked by SGLang's own loader, not against a list here", e.url)
+            logger.info("engine %s lists no parameters (no /weights_info or /weights_checksum: an SGLang server); "
+                        "its own loaders check what a push names (--check-weight-update-equal reads it back)", e.url)
 
 
 # The first tensor every model SGLang can read back names this way (llama, qwen, mistral, ...).
