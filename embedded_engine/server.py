@@ -375,12 +375,16 @@ def _tags(b: dict) -> list[str]:
 
 
 class _OneLineBadRequests(logging.Filter):
-    """aiohttp logs a request it cannot parse at ERROR with a traceback; sglang-router sends each
-    worker an HTTP/2 preface at start-up, which is such a request (answered 400). SGLang's uvicorn
-    logs one as a one-line warning; so do we."""
+    """aiohttp logs a request it cannot parse at ERROR with a traceback; SGLang's uvicorn logs one
+    as a one-line warning, and so do we. Except sglang-router's gRPC probe: when a worker is added
+    the router tries it over HTTP and gRPC at once (to learn which it speaks), and the gRPC try is
+    an HTTP/2 preface (``PRI * HTTP/2.0``), answered 400, which tells the router "not gRPC". That
+    one is expected at every start and every engine restart, so it is not logged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage) and str(exc.message).startswith("Pause on PRI/Upgrade"):
+            return False  # llhttp's stop at an HTTP/2 preface
         if isinstance(exc, BadHttpMessage):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.msg = "Invalid HTTP request received (%s)"

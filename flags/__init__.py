@@ -99,10 +99,10 @@ def _type_of(annotation: str) -> Callable[[str], Any] | None:
 def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
     """Add a flag for each flagged field of ``cls`` (not those declared elsewhere), in sections
     named by :attr:`Flag.group` (``title`` until the first one names a section)."""
-    group: Any = _section(parser, title) if title else parser
+    group: Any = section(parser, title) if title else parser
     for f, spec in flag_fields(cls):
         if spec.group is not None:
-            group = _section(parser, spec.group)
+            group = section(parser, spec.group)
         if spec.declared_elsewhere:
             continue
         kw: dict[str, Any] = {"dest": dest(f), "default": _default(f), "help": spec.help or None}
@@ -120,8 +120,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
         group.add_argument(flag_name(f), *spec.aliases, **kw)
 
 
-def _section(parser: argparse.ArgumentParser, title: str) -> Any:
-    """The parser's argument group called ``title`` (made on first use: parts share sections)."""
+def section(parser: argparse.ArgumentParser, title: str) -> Any:
+    """The parser's argument group called ``title``, made on first use: parts share sections, and
+    a part adding flags of its own to a section goes through here (``parser.add_argument_group``
+    would make a second section of the same title in ``--help``)."""
     for g in parser._action_groups:  # argparse has no public lookup
         if g.title == title:
             return g

@@ -20,12 +20,15 @@ class DataSettings:
     """Where prompts come from and how they become token ids."""
 
     prompt_data: str | None = flag(None, "prompts: a .jsonl or .parquet file", group="rollout: data")
-    input_key: str = flag("prompt")
-    label_key: str | None = flag("label")
-    metadata_key: str | None = flag("metadata")
-    apply_chat_template: bool = flag(False)
-    rollout_shuffle: bool = flag(False)
-    rollout_seed: int = flag(42)
+    input_key: str = flag("prompt", "key of the prompt in each --prompt-data record: a string, or a list of "
+                          "{role, content} messages (with --apply-chat-template)")
+    label_key: str | None = flag("label", "key of the label the reward compares against (empty: no label)")
+    metadata_key: str | None = flag("metadata", "key of an optional JSON object per record, kept as the sample's "
+                                    "metadata for plugins")
+    apply_chat_template: bool = flag(False, "format each prompt with the tokenizer's chat template (a string prompt "
+                                     "becomes one user message), adding the generation prompt")
+    rollout_shuffle: bool = flag(False, "shuffle the prompts, anew each epoch")
+    rollout_seed: int = flag(42, "seed of the prompt shuffle (--rollout-shuffle)")
     num_epoch: int | None = flag(None, "passes over the prompts (default: forever)")
     rollout_max_prompt_len: int | None = flag(None, "prompts longer (in tokens) are skipped")
     rollout_max_context_len: int | None = flag(
@@ -62,7 +65,7 @@ class EngineFleetSettings:
                                "the client path)", choices=("embedded", "sglang", "instant"), group="rollout: engines")
     rollout_num_engines: int = flag(1, "engine count when no GPUs are used")
     rollout_num_gpus: int = flag(0, "total GPUs for engines (sglang); 0 = CPU")
-    rollout_num_gpus_per_engine: int = flag(1)
+    rollout_num_gpus_per_engine: int = flag(1, "GPUs per SGLang engine (its tensor-parallel size)")
     rollout_engine_placement: str = flag("auto", "local subprocesses, or Ray placement groups (one bundle of GPUs per "
                                          "engine); auto: Ray when --rollout-num-gpus > 0",
                                          choices=("auto", "local", "ray"))
@@ -71,7 +74,8 @@ class EngineFleetSettings:
     engine_extra_args: str = flag("", "extra flags for each embedded (or instant) engine, as one string (its "
                                   "--api-key / --admin-api-key reach the engines through their environment)")
     sglang_router_ip: str | None = flag(None, "a running sglang-router (start none)")
-    sglang_router_port: int | None = flag(None)
+    sglang_router_port: int | None = flag(None, "port of the running sglang-router at --sglang-router-ip (the two "
+                                          "go together)")
     router_policy: str = flag("round_robin", "load balancing of the sglang-router started here (cache_aware keeps a "
                               "prompt's samples on one engine: good for SGLang's prefix cache, uneven on small "
                               "batches)", choices=ROUTER_POLICIES)
@@ -79,7 +83,8 @@ class EngineFleetSettings:
     health_check_interval: float = flag(2.0, "seconds between engine health checks")
     health_check_timeout: float = flag(10.0, "seconds an engine may take to answer /health (3 misses in a row: "
                                        "restarted)")
-    restart_dead_engines: bool = flag(True)
+    restart_dead_engines: bool = flag(True, "restart an engine that died or failed its health checks (it rejoins "
+                                      "the router at the current weight version)")
     sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as SGLang server CLI tokens
     router_args: list[str] = field(default_factory=list)  # --sglang-router-* pass-through, as sglang-router tokens
     # The servers' --api-key / --admin-api-key (from --sglang-api-key / --sglang-admin-api-key, or
@@ -118,16 +123,22 @@ REQUEST_GRANULARITIES = ("group", "sample")
 class SamplingSettings:
     """Generation settings of training rollouts and of evaluation."""
 
-    n_samples_per_prompt: int = flag(1, group="rollout: sampling")
+    n_samples_per_prompt: int = flag(1, "responses generated per prompt (the group size GRPO compares)",
+                                     group="rollout: sampling")
     rollout_batch_size: int = flag(8, "groups per rollout step")
     over_sampling_batch_size: int | None = flag(None, "prompts started per refill (default: --rollout-batch-size)")
-    rollout_max_response_len: int = flag(64)
-    rollout_temperature: float = flag(1.0)
-    rollout_top_p: float = flag(1.0)
-    rollout_top_k: int = flag(-1)
-    rollout_stop: list[str] = flag(default_factory=list)
-    rollout_stop_token_ids: list[int] = flag(default_factory=list)
-    rollout_skip_special_tokens: bool = flag(False)
+    rollout_max_response_len: int = flag(64, "most tokens generated per response (SGLang's max_new_tokens)")
+    rollout_temperature: float = flag(1.0, "sampling temperature of rollouts; the trainer computes its log-probs at "
+                                      "the same temperature")
+    rollout_top_p: float = flag(1.0, "nucleus sampling: sample from the smallest set of tokens holding this "
+                                "probability (1 = all)")
+    rollout_top_k: int = flag(-1, "sample from the k most likely tokens (-1 = all)")
+    rollout_stop: list[str] = flag(help="stop strings: generation ends at the first one (SGLang's stop)",
+                                   default_factory=list)
+    rollout_stop_token_ids: list[int] = flag(help="stop token ids, for stop tokens hard to write on a command line "
+                                             "(SGLang's stop_token_ids)", default_factory=list)
+    rollout_skip_special_tokens: bool = flag(False, "leave special tokens out of the response text (SGLang's "
+                                             "skip_special_tokens)")
     sglang_server_concurrency: int = flag(512, "in-flight requests per engine")
     rollout_dispatch: str = flag("router", "router: every request through sglang-router; direct: the manager sends "
                                  "each to the least-loaded live engine (no router hop; retries go to another engine "
@@ -141,11 +152,14 @@ class SamplingSettings:
     max_dropped_ratio: float = flag(20.0, "fail a step (instead of sampling forever) once the filter dropped this "
                                     "many times --rollout-batch-size groups",
                                     name="--dynamic-sampling-max-dropped-ratio")
-    partial_rollout: bool = flag(False)
-    mask_offpolicy_in_partial_rollout: bool = flag(False)
-    eval_prompt_data: str | None = flag(None)
+    partial_rollout: bool = flag(False, "a response interrupted (e.g. by a weight update's pause) continues from its "
+                                 "tokens so far under the new weights (default: it starts again)")
+    mask_offpolicy_in_partial_rollout: bool = flag(False, "with --partial-rollout, tokens generated under older "
+                                                   "weights stay as context but get no loss (loss mask 0)")
+    eval_prompt_data: str | None = flag(None, "evaluation prompts (a .jsonl or .parquet file, read with the same "
+                                        "keys as --prompt-data), evaluated every --eval-interval steps")
     eval_temperature: float = flag(0.0, "0 = greedy")
-    n_samples_per_eval_prompt: int = flag(1)
+    n_samples_per_eval_prompt: int = flag(1, "responses generated per evaluation prompt")
     eval_max_response_len: int | None = flag(None, "default: --rollout-max-response-len")
     eval_max_context_len: int | None = flag(None, "slime's context budget for evaluation, read by plugins (default: "
                                             "--rollout-max-context-len)")
@@ -176,16 +190,22 @@ class SamplingSettings:
 class PluginSettings:
     """Import paths of the plugins and the reward choice."""
 
-    rollout_function_path: str = flag("rollout_manager.rollout.generate_rollout", group="rollout: plugins and rewards")
-    custom_generate_function_path: str | None = flag(None)
+    rollout_function_path: str = flag("rollout_manager.rollout.generate_rollout", "the rollout function, slime's "
+                                      "generate_rollout(args, rollout_id, data_source, evaluation=False): one step's "
+                                      "groups of samples", group="rollout: plugins and rewards")
+    custom_generate_function_path: str | None = flag(None, "async generate(args, sample, sampling_params) -> Sample "
+                                                     "that replaces the default rollout's one-sample generation "
+                                                     "(multi-turn, tool calls)")
     rm_type: str = flag("math", "built-in reward: math, exact_match, toy_arithmetic, remote, and slime's deepscaler, "
                         "dapo (with --reward-key score), f1, gpqa, random, remote_rm and the boxed_<type> prefix "
                         "(plugins/rewards.py); ignored with --custom-rm-path, and with --rm-url unless it is remote "
                         "or remote_rm")
     rm_url: str | None = flag(None, "remote reward model (POST {prompt, response, label})")
-    custom_rm_path: str | None = flag(None)
-    group_rm: bool = flag(False)
-    reward_key: str | None = flag(None)
+    custom_rm_path: str | None = flag(None, "reward function rm(args, sample) -> float or dict, sync or async "
+                                      "(with --group-rm: rm(args, samples) -> a list of them)")
+    group_rm: bool = flag(False, "call --custom-rm-path once per group with all its samples")
+    reward_key: str | None = flag(None, "with dict rewards, the key of the value that is the reward (advantages, "
+                                  "metrics)")
     dynamic_sampling_filter_path: str | None = flag(None, "filter(args, group) -> bool or slime's DynamicFilterOutput "
                                                     "(keep, reason, keep_when_insufficient): whether a finished "
                                                     "group is kept")
@@ -247,4 +267,5 @@ class RolloutSettings:
     engines: EngineFleetSettings = field(default_factory=EngineFleetSettings)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     plugins: PluginSettings = field(default_factory=PluginSettings)
-    seed: int = flag(1234, group="rollout: data")
+    seed: int = flag(1234, "random seed: the trainer's torch, numpy and random seeds; engine i samples with seed "
+                     "+ i", group="rollout: data")

@@ -39,16 +39,16 @@ class LauncherSettings:
     load: str | None = flag(None, "resume from this checkpoint directory")
     save_interval: int | None = flag(None, "steps between checkpoints")
     eval_interval: int | None = flag(None, "steps between evaluations")
-    skip_eval_before_train: bool = flag(False)
+    skip_eval_before_train: bool = flag(False, "no evaluation before the first training step")
     debug_rollout_only: bool = flag(False, "generate and score only; no trainer")
     debug_train_only: bool = flag(False, "train on --load-debug-rollout-data; no engines")
     save_debug_rollout_data: str | None = flag(None, "write each rollout batch to this path pattern, e.g. "
                                                "dumps/rollout_{rollout_id}.parquet")
     load_debug_rollout_data: str | None = flag(None, "read rollout batches from this path pattern instead of "
                                                "generating")
-    use_tensorboard: bool = flag(False)
-    use_wandb: bool = flag(False)
-    wandb_project: str | None = flag(None)
+    use_tensorboard: bool = flag(False, "also write TensorBoard events to <--output-dir>/tensorboard")
+    use_wandb: bool = flag(False, "also log the metrics to Weights & Biases (needs the wandb package)")
+    wandb_project: str | None = flag(None, "wandb project (default: reservoir)")
     wandb_group: str | None = flag(None, "wandb run group (slime's flag)")
     wandb_key: str | None = flag(None, "wandb API key to log in with (slime's flag; default: wandb's stored login or "
                                  "WANDB_API_KEY)")

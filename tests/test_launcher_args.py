@@ -118,3 +118,25 @@ def test_the_toy_configs_build_flag_does_not_build_at_a_mistyped_path(tmp_path, 
     assert f"--hf-checkpoint {typo}: no HF checkpoint there" in capsys.readouterr().err
     assert parse_args(argv + ["--build-toy-model"]).build_toy_model
     assert not typo.exists()  # parsing builds nothing
+
+
+def _entry_point_parsers():
+    import rollout_manager.__main__ as rollout_cli
+
+    return {"scripts/train.py": build_parser(), "python -m rollout_manager": rollout_cli.build_parser()}
+
+
+@pytest.mark.parametrize("entry_point", ["scripts/train.py", "python -m rollout_manager"])
+def test_help_has_text_for_every_option_and_each_section_once(entry_point):
+    import argparse
+
+    parser = _entry_point_parsers()[entry_point]
+    without_help = [a.option_strings for a in parser._actions
+                    if a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    assert without_help == []
+    titles = [g.title for g in parser._action_groups]
+    assert sorted(t for t in set(titles) if titles.count(t) > 1) == []
+    # what --help prints: each section heading once
+    headings = [line for line in parser.format_help().splitlines() if line and not line[0].isspace()
+                and line.endswith(":")]
+    assert len(headings) == len(set(headings))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from flags import add_flags, from_args
+from flags import add_flags, from_args, section
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import G_HOOKS, G_OPT, TrainSettings
 
@@ -22,11 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the train backend's flags: :class:`TrainSettings`' and :class:`TrainerGroupSettings`'
     fields declare them (``flags.flag``), plus two that set no field."""
     add_flags(parser, TrainSettings)
-    g = parser.add_argument_group(G_OPT)
+    g = section(parser, G_OPT)
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=True,
                    help="slime's flag for packing micro-batches by tokens (--max-tokens-per-gpu): always so here")
     add_flags(parser, TrainerGroupSettings, "train: ranks (Ray actors; one GPU each with --train-device cuda)")
-    g = parser.add_argument_group(G_HOOKS)
+    g = section(parser, G_HOOKS)
     g.add_argument("--custom-config-path", default=None,
                    help="YAML of extra attributes for every plugin's args (slime's); a key naming a flag is refused")
 

@@ -42,20 +42,22 @@ class TrainSettings:
     """
 
     hf_checkpoint: str = flag(declared_elsewhere=True)
-    backend: str = flag("torch", name="--train-backend", choices=BACKENDS, group=G_OPT)
+    backend: str = flag("torch", "torch: the HF model (FSDP2 over several ranks); megatron: Megatron-core "
+                        "(TP/PP/DP)", name="--train-backend", choices=BACKENDS, group=G_OPT)
     # optimizer and schedule (optimizer steps, not rollouts)
-    lr: float = flag(1e-6)
-    min_lr: float = flag(0.0)
+    lr: float = flag(1e-6, "peak learning rate (after --lr-warmup-iters)")
+    min_lr: float = flag(0.0, "learning rate at the end of a linear or cosine decay")
     lr_warmup_steps: int = flag(0, "optimizer steps of linear warm-up", name="--lr-warmup-iters")
-    lr_decay_style: str = flag("constant", choices=LR_DECAY_STYLES)
+    lr_decay_style: str = flag("constant", "after warm-up: constant --lr, or a linear or cosine decay to --min-lr "
+                               "over --lr-decay-iters", choices=LR_DECAY_STYLES)
     lr_decay_steps: int | None = flag(None, "optimizer steps to decay to --min-lr (linear/cosine)",
                                       name="--lr-decay-iters")
     optimizer: str = flag("adam", "adam: AdamW (decoupled weight decay, Megatron's adam); sgd: SGD with momentum "
                           "0.9 (Megatron's default --sgd-momentum)", choices=OPTIMIZERS)
-    weight_decay: float = flag(0.0)
-    adam_beta1: float = flag(0.9)
-    adam_beta2: float = flag(0.98)
-    adam_eps: float = flag(1e-8)
+    weight_decay: float = flag(0.0, "decoupled weight decay (AdamW's)")
+    adam_beta1: float = flag(0.9, "Adam's decay rate of the gradient's running mean")
+    adam_beta2: float = flag(0.98, "Adam's decay rate of the squared gradient's running mean")
+    adam_eps: float = flag(1e-8, "Adam's term added to the denominator, for numerical stability")
     clip_grad: float = flag(1.0, "max grad norm (0 = no clipping)")
     # batching
     global_batch_size: int | None = flag(None, "samples per optimizer step (default: the whole rollout batch, one "
@@ -67,28 +69,43 @@ class TrainSettings:
     recompute_granularity: str | None = flag(
         None, "activation recomputation (Megatron's); the torch backend supports full (HF gradient checkpointing of "
         "every layer, i.e. --recompute-method uniform --recompute-num-layers 1)", choices=RECOMPUTE_GRANULARITIES)
-    recompute_method: str | None = flag(None, choices=RECOMPUTE_METHODS)
-    recompute_num_layers: int | None = flag(None)
+    recompute_method: str | None = flag(None, "with --recompute-granularity full (Megatron's): uniform recomputes "
+                                        "every block of --recompute-num-layers layers, block only the first "
+                                        "--recompute-num-layers layers of each pipeline stage",
+                                        choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = flag(None, "layers per recomputed block (uniform) or recomputed layers per "
+                                            "stage (block)")
     # advantages and policy loss
-    advantage_estimator: str = flag("grpo", choices=ADVANTAGE_ESTIMATORS, group=G_LOSS)
+    advantage_estimator: str = flag("grpo", "how rewards become advantages (train_backend/losses.py): grpo and "
+                                    "gspo (reward minus the group mean, over the group std; gspo clips "
+                                    "sequence-level ratios), dr_grpo (no std), rloo (minus the mean of the group's "
+                                    "other samples), reinforce_plus_plus (the reward) and "
+                                    "reinforce_plus_plus_baseline (minus the group mean), both whitened over the "
+                                    "batch (--normalize-advantages)",
+                                    choices=ADVANTAGE_ESTIMATORS, group=G_LOSS)
     normalize_advantages: bool = flag(False, "whiten advantages over all loss tokens of the rollout batch (required "
                                       "by reinforce_plus_plus and reinforce_plus_plus_baseline, as in slime)")
-    eps_clip: float = flag(0.2)
+    eps_clip: float = flag(0.2, "PPO clip range of the importance ratio (lower; also upper without "
+                           "--eps-clip-high)")
     eps_clip_high: float | None = flag(None, "clip-higher (default: --eps-clip)")
     eps_clip_c: float | None = flag(None, "dual-clip constant (> 1)")
-    loss_agg: str = flag("token_mean", choices=LOSS_AGGREGATIONS)
+    loss_agg: str = flag("token_mean", "how token losses are averaged: over all tokens of the step; per sequence, "
+                         "then over sequences; or per sequence divided by a fixed length (Dr. GRPO)",
+                         choices=LOSS_AGGREGATIONS)
     loss_agg_norm_length: int | None = flag(None, "divisor of seq_mean_token_sum_norm (default: "
                                             "--rollout-max-response-len)")
     # KL to the reference model, entropy bonus
-    use_kl_loss: bool = flag(False)
+    use_kl_loss: bool = flag(False, "add a KL loss to the reference policy (--ref-load), weighted by "
+                             "--kl-loss-coef")
     kl_coef: float = flag(0.0, "coefficient of the KL loss (slime's)", name="--kl-loss-coef")
-    kl_loss_type: str = flag("k3", choices=KL_LOSS_TYPES)
+    kl_loss_type: str = flag("k3", "KL estimator of the KL loss (Schulman's k1, k2, k3; low_var_kl: k3 clamped to "
+                             "[-10, 10], slime's)", choices=KL_LOSS_TYPES)
     # slime's --kl-coef: a KL penalty folded into the rewards of ppo / reinforce++ (not modelled: only 0)
     reward_kl_coef: float = flag(0.0, "slime's KL penalty in the rewards of ppo / reinforce++: only 0 here (see "
                                  "--kl-loss-coef)", name="--kl-coef")
     ref_load: str | None = flag(None, "HF checkpoint of the reference policy of the KL loss (default: "
                                 "--hf-checkpoint)")
-    entropy_coef: float = flag(0.0)
+    entropy_coef: float = flag(0.0, "weight of the entropy bonus (subtracted from the loss)")
     # truncated importance sampling against the engine's log-probs
     use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
     tis_cap: float = flag(2.0, "cap of the TIS weight", name="--tis-clip")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from flags import add_flags, from_args
+from flags import add_flags, from_args, section
 from weight_sync.interfaces import WeightSyncSettings
 
 POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add weight_sync's flags to ``parser``: ``WeightSyncSettings``' fields declare them, plus
     slime's post-write hook (loaded by :func:`load_post_write_hook`, not a setting)."""
     add_flags(parser, WeightSyncSettings)
-    g = parser.add_argument_group("weight sync")
+    g = section(parser, "weight sync")
     g.add_argument(POST_WRITE_FLAG, default=None,
                    help="slime's hook(args, version_dir, rollout_engines): called on trainer rank 0 after the disk "
                         "transport wrote a version, before the engines load it (e.g. to publish the files on a "

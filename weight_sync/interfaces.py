@@ -111,7 +111,8 @@ class WeightSyncSettings:
     master_address: str = flag("127.0.0.1", "address of trainer rank 0 that engines reach for the rendezvous",
                                name="--update-weight-master-address")
     master_port: int = flag(0, "rendezvous port (0: pick a free one)", name="--update-weight-master-port")
-    group_name: str = flag("reservoir_weight_sync", name="--update-weight-group-name")
+    group_name: str = flag("reservoir_weight_sync", "name of the weight-update process group on the engines "
+                           "(SGLang's group_name)", name="--update-weight-group-name")
     timeout_s: float = flag(120.0, "seconds: bound on each HTTP call and collective of a push",
                             name="--update-weight-timeout")
     check_equal: bool = flag(False, "after each push, compare every engine's weights with the trainer's "

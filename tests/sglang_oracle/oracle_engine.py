@@ -92,8 +92,25 @@ class _RecordingModel:
                 for n, t in self.received.items()}
 
 
-def tp_rank_main(rank: int, tp_size: int, store_port: int, server_argv: list[str], conn) -> None:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this rank when the oracle process ends, however it ends: uvicorn
+    re-raises the SIGTERM it caught once it has shut down, so the oracle dies by the signal without
+    running its ``finally`` or multiprocessing's reaping of daemon children, and a rank blocked in
+    ``conn.recv()`` would otherwise outlive it (orphaned, holding its memory)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent was already gone before prctl took effect
+        os._exit(1)
+
+
+def tp_rank_main(rank: int, tp_size: int, store_port: int, server_argv: list[str], conn, parent_pid: int) -> None:
     """One TP rank: SGLang's scheduler and model-runner weight updaters; requests come over ``conn``."""
+    _die_with_parent(parent_pid)
     from sglang_oracle import import_sglang
 
     sg = import_sglang()
@@ -185,7 +202,8 @@ class TPRanks:
         self.conns, self.procs = [], []
         for r in range(tp_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=tp_rank_main, args=(r, tp_size, store_port, server_argv, child), daemon=True)
+            p = ctx.Process(target=tp_rank_main, args=(r, tp_size, store_port, server_argv, child, os.getpid()),
+                            daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -202,12 +220,20 @@ class TPRanks:
     async def call(self, op: str, req) -> list:
         return await asyncio.gather(*(asyncio.to_thread(self._one, i, op, req) for i in range(len(self.conns))))
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask every rank to return, and reap it; a rank that does not return in ``timeout_s``
+        (e.g. blocked in a collective whose peer is gone) is killed."""
         for c in self.conns:
             try:
                 c.send(("stop", None))
             except OSError:
                 pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 # --- the tokenizer manager stand-in -----------------------------------------------------------
@@ -401,10 +427,13 @@ def main(argv: list[str] | None = None) -> None:
                                    if getattr(r, "path", None) not in ("/begin_weight_update", "/end_weight_update")]
         asyncio.run(ranks.call("begin_weight_update", BeginWeightUpdateReqInput()))
     # SGLang's lifespan starts its tokenizer workers, OpenAI handlers and warm-up request: none of
-    # them exists here (the native routes under test read only _global_state)
+    # them exists here (the native routes under test read only _global_state). Its shutdown reaps
+    # the ranks: on SIGTERM uvicorn runs it and then re-raises the signal, so the code after
+    # uvicorn.run does not run then
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
+        await asyncio.to_thread(ranks.stop)
     hs.app.router.lifespan_context = lifespan
     if a.api_key or a.admin_api_key:
         add_api_key_middleware(hs.app, api_key=a.api_key, admin_api_key=a.admin_api_key)

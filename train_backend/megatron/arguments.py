@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from flags import SettingError, add_flags, flag, from_args
+from flags import SettingError, add_flags, flag, from_args, section
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOSS_HEADS = ("auto", "unfused", "chunked", "compiled")  # see train_backend/megatron/loss_head.py
@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the Megatron backend's flags to ``parser``: ``MegatronSettings``' fields declare them,
     plus two of slime's that set nothing here."""
     add_flags(parser, MegatronSettings)
-    g = parser.add_argument_group("megatron backend")
+    g = section(parser, "megatron backend")
     g.add_argument("--attention-softmax-in-fp32", action="store_true", default=True,
                    help="always so here: both backends take the attention softmax in float32")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True,
