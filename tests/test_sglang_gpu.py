@@ -179,7 +179,8 @@ def test_kv_cache_release_and_resume_around_training(server):
     assert out["meta_info"]["completion_tokens"] == 8
 
 
-def _launch(toy: Path, out: Path, *extra: str, env: dict | None = None, timeout: float = 560) -> tuple[list[dict], str]:
+def _launch(toy: Path, out: Path, *extra: str, env: dict | None = None, timeout: float = 560,
+            engine: str = "sglang") -> tuple[list[dict], str]:
     config = out.parent / f"{out.name}.yaml"  # the example's, without TensorBoard (not needed here)
     config.write_text((ROOT / "examples/gpu/grpo_colocate_1gpu.yaml").read_text()
                       .replace("use-tensorboard: true", "use-tensorboard: false"))
@@ -187,7 +188,8 @@ def _launch(toy: Path, out: Path, *extra: str, env: dict | None = None, timeout:
            "--hf-checkpoint", str(toy), "--prompt-data", str(toy / "data/train.jsonl"),
            "--eval-prompt-data", str(toy / "data/eval.jsonl"), "--no-build-toy-model", "--no-plots",
            "--output-dir", str(out), "--buffer-name", f"buf-{out.name}",
-           "--rollout-engine", "sglang", *LAUNCHER_FLAGS, "--sglang-mem-fraction-static", "0.3", *extra]
+           *(("--rollout-engine", "sglang", *LAUNCHER_FLAGS, "--sglang-mem-fraction-static", "0.3")
+             if engine == "sglang" else ()), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
     text = proc.stdout + proc.stderr
@@ -249,3 +251,12 @@ def test_launcher_colocated_megatron(toy, tmp_path):
     _record("launcher_megatron_sglang", records, time.monotonic() - t0)
     ev = _evals(records)
     assert ev[12] > ev[0], ev
+
+
+def test_launcher_colocated_torch_embedded_reference(toy, tmp_path):
+    """The same run with the embedded engine (no loss), for the step-time split beside SGLang's
+    (bench/results/e2e_sglang.json)."""
+    t0 = time.monotonic()
+    records, _ = _launch(toy, tmp_path / "embedded", "--num-rollout", "12", "--eval-interval", "6",
+                         "--check-weight-update-equal", engine="embedded")
+    _record("launcher_torch_embedded", records, time.monotonic() - t0)
