@@ -4,31 +4,29 @@ A push of version v:
 1. validate every tensor's name, shape and dtype against what each engine reported at connect
    (an error names the tensor; nothing has been sent yet); floating tensors travel in the
    engines' dtype (cast while a bucket is packed);
-2. the transport prepares while the engines still generate (``distributed``: join or reuse the
-   weight-update group; pack bucket 0), then ``/pause_generation`` on every engine
-   (``weight_sync/time_s`` is measured from here to the end of 5: what generation loses), then
-   ``/begin_weight_update`` (SGLang >= 0.5.22 loads weights only inside that session; a 404 from
-   an older server means none is needed; the ``disk`` transport opens none);
-3. the transport sends the buckets (``weight_sync/transports/``: ``distributed`` broadcasts each
-   over the group, ``tensor`` POSTs handles to it, ``disk`` writes an HF checkpoint);
+2. the transport (``weight_sync/transports/``: ``distributed``, ``tensor`` or ``disk``, chosen once
+   from the settings) prepares while the engines still generate (joins the group, packs bucket 0);
+   ``/pause_generation`` on every engine (``weight_sync/time_s`` runs from here to the end of 5: what
+   generation loses), then ``/begin_weight_update`` (SGLang >= 0.5.22 loads weights only inside that
+   session; a 404 from an older server means none is needed; ``disk`` opens none);
+3. the transport sends the buckets;
 4. ``/end_weight_update``; optionally compare per-tensor checksums (``check_equal``);
-5. ``/continue_generation`` (a transport may start 4 and 5 before its send returns: over NCCL
-   as soon as the last bucket is answered, while rank 0 waits for its last transfers); record v
-   (buffer actor or callback).
-That sequence is ``WeightSender._sequence``, used by a push, a resync and the release of held
-tensors at close. A push that fails still closes the session on every engine that answers.
+5. ``/continue_generation`` (over NCCL without the check, 4 and 5 start as soon as the last bucket
+   is answered, while rank 0 waits for its last transfers); record v (buffer actor or callback).
+``_sequence`` is that sequence, once: for a push, a resync, and the release of held tensors at close.
 Only the last bucket carries ``weight_version`` (and ``flush_cache``), so an engine reports v only
 once all of v is in place. If an engine dies or stalls, the push fails within ``timeout_s``; the
-engines still alive stay paused (their weights may be half-updated), the transport drops what it
-built for them (the group), and the whole push is redone without the dead ones, so they end at v
-together. A dead engine that answers ``/health`` again rejoins at the next push (or at once with
-``resync``). Re-pushing a version is safe (it overwrites the same values).
+session is closed on every engine that answers, the engines still alive stay paused (their weights
+may be half-updated), the transport drops its group, and the whole push is redone without the dead
+ones, so they end at v together. A dead engine that answers ``/health`` again rejoins at the next
+push (or at once with ``resync``). Re-pushing a version is safe (it overwrites the same values).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from typing import Awaitable, Callable, NamedTuple
@@ -39,7 +37,7 @@ from weight_sync.engines import EngineState, call_all, check_equal, fetch_params
 from weight_sync.interfaces import NamedTensors, TensorSpec, VersionSink, WeightSyncSettings
 from weight_sync.link import PushFailed
 from weight_sync.plan import check_against_engine, check_tensors, push_specs
-from weight_sync.transports import make_transport
+from weight_sync.transports import PostWrite, make_transport
 from weight_sync.transports.base import Named, Payload, Progress, Resume
 
 logger = logging.getLogger(__name__)
@@ -71,7 +69,7 @@ class WeightSender:
     """
 
     def __init__(self, settings: WeightSyncSettings, version_sink: VersionSink | None = None,
-                 post_write: Callable[[str, list[str]], None] | None = None):
+                 post_write: PostWrite | None = None):
         if post_write is not None and settings.transport != "disk":
             raise ValueError(f"post_write (--custom-update-weight-post-write-path) runs after the disk transport "
                              f"writes a version; transport is {settings.transport!r}")
@@ -239,10 +237,10 @@ class WeightSender:
             t0 = time.perf_counter()
             try:
                 connect_s = await self._transport.prepare(members, payload)  # the engines generate meanwhile
+                send = functools.partial(self._transport.send, members, payload, version, progress)
                 # without the check, the transport may continue the engines while its last transfers end
-                tl = await self._sequence(members, lambda resume: self._transport.send(
-                    members, payload, version, progress, resume), payload.named, specs, early_continue=not s.check_equal,
-                    end_on_error=False)
+                tl = await self._sequence(members, send, payload.named, specs, early_continue=not s.check_equal,
+                                          end_on_error=False)
             except PushFailed as err:
                 last_error = err
                 logger.warning("push v%d attempt %d failed: %s", version, attempt + 1, err)
@@ -271,12 +269,10 @@ class WeightSender:
                         early_continue: bool = False, end_on_error: bool = True) -> _Timeline:
         """SGLang's update sequence on ``members``, the one copy of it: ``/pause_generation`` ->
         ``/begin_weight_update`` -> ``send(resume)`` -> ``/end_weight_update`` -> the transport's
-        ``finish`` -> ``check_equal`` of ``named`` (with the ``check_equal`` setting) ->
-        ``/continue_generation``. No session where the transport opens none (disk); no pause and no
-        continue unless ``generating`` (the sender closing). ``early_continue``: ``send`` gets a
-        ``resume`` that ends the session and continues generation at once (the transport calls it
-        before it returns, or the sender after). ``end_on_error``: a failed send still ends the
-        session here (a push leaves that to ``_after_failure``)."""
+        ``finish`` -> ``check_equal`` of ``named`` (if set) -> ``/continue_generation``. No session
+        where the transport opens none (disk); no pause nor continue unless ``generating``.
+        ``early_continue``: ``send`` gets a ``resume`` that starts the end and the continue at once.
+        ``end_on_error``: a failed send ends the session here (a push leaves it to ``_after_failure``)."""
         s, tr = self.settings, self._transport
         resumed = False
 
@@ -332,7 +328,8 @@ class WeightSender:
                 e.version = None
         await self._transport.after_failure(members, {e.url for e, ok in zip(members, healthy) if ok})
 
-    async def _resync(self, e: EngineState, named_tensors: NamedTensors | None, version: int | None) -> dict[str, float]:
+    async def _resync(self, e: EngineState, named_tensors: NamedTensors | None,
+                      version: int | None) -> dict[str, float]:
         if not await e.client.health(timeout=min(10.0, self.settings.timeout_s)):
             raise RuntimeError(f"resync: engine {e.url} is not answering /health")
         await fetch_params(e, self.settings.timeout_s)  # a restarted engine may report a different list
@@ -347,7 +344,7 @@ class WeightSender:
         payload = self._transport.plan(named, specs)
         t0 = time.perf_counter()
         await self._transport.prepare([e], payload, keep=False)  # distributed: a group of the trainer and e only
-        await self._sequence([e], lambda _: self._transport.send([e], payload, version, None, None), named, specs)
+        await self._sequence([e], functools.partial(self._transport.send, [e], payload, version, None), named, specs)
         e.version = version
         return {"weight_sync/resync_s": time.perf_counter() - t0}
 

@@ -132,16 +132,17 @@ def start_packing(pack: Callable[[], P], here: bool) -> "asyncio.Future[P]":
 
 async def send_buckets(n: int, pack: Callable[[int], "asyncio.Future[P]"],
                        send: Callable[[int, P, Callable[[], None] | None], Awaitable[R]],
-                       staged: "asyncio.Future[P] | None", progress: Progress | None, mark: Mark,
+                       staged: "list[asyncio.Future[P]]", progress: Progress | None, mark: Mark,
                        answered: Callable[[int, R], Awaitable[None]] | None = None) -> None:
-    """Send buckets ``0..n-1`` in turn: ``pack(i)`` starts packing bucket i (``staged``: bucket 0,
-    packed before the pause), ``send(i, packed, after_issue)`` sends it, running ``after_issue()``
-    (which starts packing bucket i+1) once the requests are out, so the next bucket is packed while
-    this one travels; ``answered(i, result)`` runs once every engine has answered bucket i. A
-    packed bucket is held in names that are dropped once it is answered, so no frame keeps it longer."""
-    nxt = staged if staged is not None else pack(0)
+    """Send buckets ``0..n-1`` in turn: ``pack(i)`` starts packing bucket i (``staged``: ``[bucket
+    0's]`` if packed before the pause, emptied here), ``send(i, packed, after_issue)`` sends it,
+    running ``after_issue()`` (which starts packing bucket i+1) once the requests are out, so the
+    next bucket is packed while this one travels; ``answered(i, result)`` runs once every engine
+    has answered bucket i. A packed bucket is held in names and lists that are dropped or emptied
+    once it is answered, so no frame keeps it longer."""
+    nxt: "asyncio.Future[P] | None" = staged.pop() if staged else pack(0)
     for i in range(n):
-        packed = await nxt
+        packed, nxt = await nxt, None  # the future holds the bucket as long as a name holds it
         mark("packed", i)
         pending: list = []
 

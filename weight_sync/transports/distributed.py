@@ -45,7 +45,7 @@ class DistributedTransport(Transport):
         self._link: Link | None = None  # the main group, kept between pushes
         self._lone: Link | None = None  # a group for one update (resync), left by finish()
         self._active: Link | None = None  # the one the current update sends over
-        self._staged: "asyncio.Future[list[torch.Tensor]] | None" = None  # bucket 0, packed by prepare()
+        self._staged: "list[asyncio.Future[list[torch.Tensor]]]" = []  # [bucket 0], packed by prepare()
         self._generation = 0
         self._instance = uuid.uuid4().hex[:8]
 
@@ -76,9 +76,9 @@ class DistributedTransport(Transport):
         self._active = link
         t_link = time.perf_counter()
         try:
-            self._staged = self._pack(link, payload, 0)
+            self._staged = [self._pack(link, payload, 0)]
             if link.device.type != "cuda":
-                await self._staged
+                await self._staged[0]
         except BaseException:
             await self.finish()
             raise
@@ -92,7 +92,7 @@ class DistributedTransport(Transport):
         of the received weights, and an engine answers the version's last bucket only once those
         copies are queued)."""
         s = self.settings
-        link, staged, self._staged = self._active, self._staged, None
+        link = self._active
         buckets = payload.buckets
         t = time.perf_counter()
         inflight: deque = deque()  # CUDA events of queued transfers (nccl); bounds memory in flight
@@ -111,7 +111,7 @@ class DistributedTransport(Transport):
                     j, done = inflight.popleft()
                     await wait_transfer(link, done, s.timeout_s)
                     self.mark("transferred", j)
-        await send_buckets(len(buckets), lambda i: self._pack(link, payload, i), send_one, staged, progress,
+        await send_buckets(len(buckets), lambda i: self._pack(link, payload, i), send_one, self._staged, progress,
                            self.mark, answered)
         resumed = resume() if resume is not None else None
         try:
@@ -127,7 +127,7 @@ class DistributedTransport(Transport):
         return time.perf_counter() - t
 
     async def finish(self) -> None:
-        self._active, self._staged = None, None
+        self._active, self._staged = None, []
         if self._lone is not None:
             link, self._lone = self._lone, None
             await close_link(link, self.settings.timeout_s)

@@ -47,7 +47,7 @@ class TensorTransport(Transport):
         super().__init__(settings, mark)
         self._auto_format = auto_format  # load_format was auto: mapped, unless an engine does not allow it
         self._channel = TensorChannel(settings.load_format == "flattened_bucket")
-        self._staged: "asyncio.Future[Packed] | None" = None  # bucket 0, packed by prepare()
+        self._staged: "list[asyncio.Future[Packed]]" = []  # [bucket 0], packed by prepare()
 
     async def connect(self, engines: list[EngineState]) -> None:
         if self.settings.load_format != "mapped":
@@ -72,10 +72,9 @@ class TensorTransport(Transport):
 
     async def prepare(self, members: list[EngineState], payload: Payload, keep: bool = True) -> float:
         self._channel.flattened = self.settings.load_format != "tensor"
-        self._staged = None
-        if payload.buckets:
-            self._staged = self._pack(payload, 0)
-            await self._staged
+        self._staged = [self._pack(payload, 0)] if payload.buckets else []
+        if self._staged:
+            await self._staged[0]
         return 0.0
 
     async def send(self, members: list[EngineState], payload: Payload, version: int, progress: Progress | None,
@@ -84,7 +83,7 @@ class TensorTransport(Transport):
         return the seconds spent sending. Bucket k is let go once every engine has answered it (each
         has copied it by then)."""
         s = self.settings
-        named, buckets, staged, self._staged = payload.named, payload.buckets, self._staged, None
+        named, buckets = payload.named, payload.buckets
         peers = [(e.url, e.gpus, e.client) for e in members]
         t = time.perf_counter()
         if payload.held:
@@ -100,11 +99,11 @@ class TensorTransport(Transport):
         def send_one(i: int, packed: Packed, after: Callable[[], None] | None) -> Awaitable[None]:
             return send_tensor_bucket(fmt, peers, packed[0], s, **last_bucket(s, version, i == len(buckets) - 1),
                                       after_issue=after)
-        await send_buckets(len(buckets), lambda i: self._pack(payload, i), send_one, staged, progress, self.mark)
+        await send_buckets(len(buckets), lambda i: self._pack(payload, i), send_one, self._staged, progress, self.mark)
         return time.perf_counter() - t
 
     async def finish(self) -> None:
-        self._staged = None
+        self._staged = []
 
     @property
     def holds_weights(self) -> bool:
