@@ -91,7 +91,7 @@ class WeightSender:
 
     # --- public API --------------------------------------------------------------------------
     def connect(self, engine_urls: list[str], engine_gpus: list[int] | None = None) -> None:
-        """Register the engines and connect the transport (``distributed``: join them in the weight-update group).
+        """Register the engines and (distributed transport) join them in the weight-update group.
 
         ``engine_gpus[i]``: GPUs (TP ranks) of engine i (default 1 each); engine i takes ranks
         from ``1 + sum(engine_gpus[:i])``. Also fetches each engine's parameter list for validation.
