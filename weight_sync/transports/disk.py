@@ -1,0 +1,51 @@
+"""Transport ``disk``: for engines that share no collective fabric with the trainer, only a
+filesystem. A push writes the weights as an HF checkpoint (``weight_sync/disk.py``:
+``<disk_dir>/weights_v<version>/``, renamed into place when complete), runs the optional
+``post_write`` hook (slime's ``--custom-update-weight-post-write-path``), then POSTs
+``/update_weights_from_disk`` to every engine. No weight-update session is opened around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from weight_sync import disk
+from weight_sync.engines import EngineState, call_all
+from weight_sync.interfaces import WeightSyncSettings
+from weight_sync.transports.base import Mark, Payload, Progress, Resume, Transport
+
+#: ``post_write(version_dir, engine_urls)``
+PostWrite = Callable[[str, list[str]], None]
+
+
+class DiskTransport(Transport):
+    """An HF checkpoint per version, loaded by each engine from its path."""
+
+    sessions = False
+
+    def __init__(self, settings: WeightSyncSettings, mark: Mark, post_write: PostWrite | None = None):
+        super().__init__(settings, mark)
+        self.post_write = post_write
+
+    async def send(self, members: list[EngineState], payload: Payload, version: int, progress: Progress | None,
+                   resume: Resume | None) -> float:
+        """Write the checkpoint, run ``post_write``, then every engine loads it; returns the seconds
+        the engines took to load it."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(None, disk.write_hf_checkpoint, payload.named, s.disk_dir, version,
+                                          s.hf_checkpoint, s.disk_keep)
+        if self.post_write is not None:
+            urls = [e.url for e in members]
+            try:
+                await loop.run_in_executor(None, self.post_write, str(path), urls)
+            except Exception as e:  # the user's hook: the engines must not load what it did not publish
+                raise RuntimeError(f"push v{version}: --custom-update-weight-post-write-path failed on {path}: "
+                                   f"{type(e).__name__}: {e}") from e
+        t = time.perf_counter()
+        await call_all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
+                                                                      timeout=s.timeout_s),
+                        "update_weights_from_disk")
+        return time.perf_counter() - t
