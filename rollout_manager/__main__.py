@@ -2,12 +2,14 @@
 
     python -m rollout_manager --hf-checkpoint DIR --prompt-data FILE --input-key prompt \\
         --label-key label --apply-chat-template --rollout-num-engines 2 --n-samples-per-prompt 4 \\
-        --rollout-batch-size 8 --rollout-max-response-len 64 --output out.parquet
+        --rollout-batch-size 8 --rollout-max-response-len 64 --output runs/rollout/groups.parquet
 
 It starts the engines and sglang-router (or uses ``--sglang-router-ip/--sglang-router-port`` or
 ``--engine-urls``), streams the prompts, shows progress, writes the groups as Parquet (the
 Sample format, ``buffer.arrow``) or pushes them into a running buffer (``--buffer NAME``), and
-ends with a summary: rewards, pass rate, lengths, truncation, tokens/s, failures by reason.
+ends with a summary: rewards, pass rate, lengths, truncation, tokens/s, failures by reason, then
+what ran, where its output and logs are, and the wall time. The files it reads are checked before
+anything starts.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 from buffer.sample import TRAINABLE as _TRAINABLE
+from flags.parser import ArgumentParser
 
-from rollout_manager.arguments import add_arguments, settings_from_args, split_sglang_args, with_engine_admin_key
+from rollout_manager.arguments import (add_arguments, check_input_files, settings_from_args, split_sglang_args,
+                                      with_engine_admin_key)
 from rollout_manager.summary import format_summary, merge_metrics
 
 
@@ -45,8 +50,8 @@ class CliSettings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rollout_manager", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="python -m rollout_manager", description=__doc__.split("\n\n")[0],
+                       allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     c = CliSettings
     g = p.add_argument_group("standalone run")
     g.add_argument("--output", default=c.output, help="write the groups to this Parquet file")
@@ -69,13 +74,16 @@ def cli_settings(args: argparse.Namespace) -> CliSettings:
 
 
 async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, float]:
+    started = time.monotonic()
+    cli = cli_settings(args)
+    settings = with_engine_admin_key(settings_from_args(args, sglang_args))
+    check_input_files(settings)  # before the slow imports (transformers), the tokenizer and any engine
+
     from tqdm import tqdm
 
     from buffer.arrow import write_parquet
     from rollout_manager.manager import RolloutManager
 
-    cli = cli_settings(args)
-    settings = with_engine_admin_key(settings_from_args(args, sglang_args))
     manager = RolloutManager(settings, args, log_dir=cli.log_dir)
     report = manager.data_report
     print(f"prompts: {report.loaded} loaded, {len(report.skipped)} bad lines skipped {report.skipped_by_reason or ''}")
@@ -94,13 +102,17 @@ async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, flo
     key = settings.plugins.reward_key
     try:
         total = cli.num_rollout * settings.sampling.rollout_batch_size
-        with tqdm(total=total, unit="group", desc="rollout") as bar:
+        # the scored rewards of the kept groups of all steps: their mean ends at the summary's
+        # rollout/reward_mean (the steps' means, averaged) when each step scored as many samples
+        rewards: list[float] = []
+        with tqdm(total=total, unit="group", desc="groups kept") as bar:
             def on_group(group, kept):
-                if kept:
-                    bar.update(1)
-                values = [v for v in (_reward_value(s.reward, key) for s in group) if v is not None]
-                if values:
-                    bar.set_postfix(reward=f"{sum(values) / len(values):.3f}", refresh=False)
+                if not kept:
+                    return
+                bar.update(1)
+                rewards.extend(v for v in (_reward_value(s.reward, key) for s in group) if v is not None)
+                if rewards:
+                    bar.set_postfix_str(f"mean reward so far {sum(rewards) / len(rewards):.4f}", refresh=False)
             from rollout_manager.rollout import RolloutFailed
             for rollout_id in range(cli.num_rollout):
                 try:
@@ -128,8 +140,19 @@ async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, flo
         failure = "no sample succeeded" + (f" ({_top_failures(metrics)})" if _top_failures(metrics) else "")
     if failure is not None:
         raise RunFailed(failure, metrics)
-    print(format_summary(metrics))
+    print(format_summary(metrics, f"rollout summary ({_what_ran(cli, settings)}; per-step means averaged over "
+                                  "the steps, counts summed)"))
+    where = f"groups in {cli.output}" if cli.output is not None else f"groups pushed into buffer {cli.buffer}"
+    evaluated = f"; eval/accuracy {metrics['eval/accuracy']:.4g}" if "eval/accuracy" in metrics else ""
+    print(f"rollout finished: {_what_ran(cli, settings)}{evaluated}; {where}; engine and router logs in "
+          f"{manager.log_dir}; wall time {time.monotonic() - started:.1f}s")
     return metrics
+
+
+def _what_ran(cli: CliSettings, settings) -> str:
+    s = settings.sampling
+    return (f"{cli.num_rollout} step(s) of {s.rollout_batch_size} prompts x {s.n_samples_per_prompt} samples"
+            + (", then one evaluation" if cli.evaluate else ""))
 
 
 def _reward_value(reward, key):

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import secrets
 import shlex
+from pathlib import Path
 
 from flags import add_flags, flag_fields, flag_name, flag_of, from_args
 from plugins.rewards import check_rm_type
@@ -189,6 +190,32 @@ def settings_from_args(args: argparse.Namespace, sglang_args: list[str] | None =
     if not plugins.custom_rm_path:  # with one, --rm-type is only what plugins read (slime's async_rm)
         check_rm_type(plugins.rm_type, plugins.reward_key)
     return from_args(RolloutSettings, args, data=data, engines=engines, sampling=sampling, plugins=plugins)
+
+
+def check_input_files(settings: RolloutSettings, building: str | None = None) -> None:
+    """The files the rollout side reads as it starts, checked before anything starts (Ray, the
+    engines), so that a typo costs no start-up and leaves nothing behind: the model at
+    ``--hf-checkpoint``, ``--prompt-data`` (unless ``--data-source-path`` gives the prompts) and
+    ``--eval-prompt-data``. ``building``: a checkpoint directory the launcher is about to build (the
+    toy model); what lies under it is not checked yet. ``ValueError`` names the flag."""
+    def missing(path: str) -> bool:
+        return not (building and Path(path).resolve().is_relative_to(Path(building).resolve())) \
+            and not Path(path).is_file()
+
+    hf = flag_of(RolloutSettings, "hf_checkpoint")
+    if not settings.hf_checkpoint:
+        raise ValueError(f"{hf} is required (the model the engines serve; its tokenizer encodes the prompts)")
+    if missing(str(Path(settings.hf_checkpoint, "config.json"))):
+        raise ValueError(f"{hf} {settings.hf_checkpoint}: no HF checkpoint there (config.json missing)")
+    prompts = flag_of(DataSettings, "prompt_data")
+    if not settings.plugins.data_source_path:
+        if not settings.data.prompt_data:
+            raise ValueError(f"{prompts} is required (or {flag_of(PluginSettings, 'data_source_path')})")
+        if missing(settings.data.prompt_data):
+            raise ValueError(f"{prompts} {settings.data.prompt_data}: no such file")
+    if settings.sampling.eval_prompt_data and missing(settings.sampling.eval_prompt_data):
+        raise ValueError(f"{flag_of(SamplingSettings, 'eval_prompt_data')} {settings.sampling.eval_prompt_data}: "
+                         "no such file")
 
 
 def _check_passthrough(engines: EngineFleetSettings) -> None:

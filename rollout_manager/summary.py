@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from buffer.sample import Sample, Status
+from metric_keys import EVAL_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_REWARD_MEAN, ROLLOUT_TOKENS_PER_S
 from rollout_manager.generate import RolloutStats
 
 
@@ -41,17 +42,17 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
     m: dict[str, float] = {
         "num_groups": len(groups),
         "num_samples": len(samples),
-        "reward_mean": statistics.fmean(scored) if scored else float("nan"),
+        ROLLOUT_REWARD_MEAN.name: statistics.fmean(scored) if scored else float("nan"),
         "reward_std": statistics.pstdev(scored) if len(scored) > 1 else 0.0,
         "pass_rate": sum(r > 0 for r in scored) / len(scored) if scored else float("nan"),
         "pass_at_k": (sum(any((_value(s.reward, reward_key) or 0) > 0 for s in g) for g in groups)
                       / len(groups)) if groups else float("nan"),
-        "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        ROLLOUT_RESPONSE_LEN_MEAN.name: statistics.fmean(lengths) if lengths else 0.0,
         "response_len_max": max(lengths, default=0),
         "response_len_min": min(lengths, default=0),
         "truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples) if samples else 0.0,
         "failed_frac": sum(s.status == Status.FAILED for s in samples) / len(samples) if samples else 0.0,
-        "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        ROLLOUT_TOKENS_PER_S.name: generated / seconds if seconds > 0 else 0.0,
         "time_s": seconds,
     }
     versions = [v for s in samples for v in s.weight_versions]
@@ -67,7 +68,7 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
         m[f"failures/{reason}"] = n
     out = {f"{prefix}/{k}": float(v) for k, v in m.items()}
     if prefix == "eval":
-        out["eval/accuracy"] = out["eval/reward_mean"]
+        out[EVAL_ACCURACY.key] = out[f"eval/{ROLLOUT_REWARD_MEAN.name}"]
     return out
 
 
@@ -89,7 +90,8 @@ def eval_data_metrics(data: dict[str, dict[str, Any]], reward_key: str | None = 
         if failed:
             out[f"eval/{name}-failed_samples"] = float(failed)
     out["eval/num_samples"] = float(len(everything))
-    out["eval/reward_mean"] = out["eval/accuracy"] = statistics.fmean(everything) if everything else float("nan")
+    mean = statistics.fmean(everything) if everything else float("nan")
+    out[f"eval/{ROLLOUT_REWARD_MEAN.name}"] = out[EVAL_ACCURACY.key] = mean
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -20,6 +21,7 @@ from typing import Any
 from buffer.settings import BufferSettings
 from config import load_config_defaults
 from flags import SettingError, add_flags, check_bound, flag, flag_of, from_args
+from flags.parser import ArgumentParser
 from rollout_manager.settings import EngineFleetSettings, RolloutSettings, SamplingSettings
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import TrainSettings
@@ -104,9 +106,10 @@ def _part_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/train.py", description="Reservoir: RL post-training, end to end.",
-                                allow_abbrev=False,  # --num-roll must not pass for --num-rollout
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # flags.parser: a usage error is two lines (argparse's would print every option first)
+    p = ArgumentParser(prog="scripts/train.py", description="Reservoir: RL post-training, end to end.",
+                       allow_abbrev=False,  # --num-roll must not pass for --num-rollout
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file of flag defaults (the command line overrides it)")
     add_flags(p, LauncherSettings)
     for module in _part_modules():
@@ -187,6 +190,9 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     group = group_settings_from_args(args, train, megatron)  # trainer ranks vs. the backend's parallel layout
     launcher = launcher_settings_from_args(args)
     _check_launcher(args)
+    building = args.hf_checkpoint if args.build_toy_model and not Path(args.hf_checkpoint, "config.json").is_file() \
+        else None
+    check_inputs(launcher, rollout, building)
     _check_gpu_count(args)
     _choose_weight_transport(args)
     sync = sync_settings(args)
@@ -210,6 +216,46 @@ def _check_launcher(args: argparse.Namespace) -> None:
     if args.eval_interval and not args.eval_prompt_data:
         raise ValueError(f"{flag_of(LauncherSettings, 'eval_interval')} needs "
                          f"{flag_of(SamplingSettings, 'eval_prompt_data')}")
+
+
+def check_inputs(settings: "RunSettings | LauncherSettings", rollout: Any = None, building: str | None = None) -> None:
+    """Every file the run reads as it starts, checked before anything starts or is written (no Ray,
+    no engine, no output directory: a typo costs seconds and leaves nothing behind); ``ValueError``
+    names the flag. The rollout side's (``rollout_manager.arguments.check_input_files``) unless
+    --debug-train-only, ``--load``'s checkpoint, --load-debug-rollout-data's batches. ``building``:
+    the toy model's directory, about to be built; what lies inside it is checked once it is.
+    Called with a ``RunSettings``, or a ``LauncherSettings`` and the ``RolloutSettings``."""
+    from rollout_manager.arguments import check_input_files
+
+    launcher, rollout = (settings.launcher, settings.rollout) if isinstance(settings, RunSettings) \
+        else (settings, rollout)
+    if not launcher.debug_train_only:
+        check_input_files(rollout, building)
+    if launcher.load:
+        checkpoint_dir(launcher.load)
+    elif launcher.debug_train_only:
+        pattern = launcher.load_debug_rollout_data
+        missing = [step for step in range(launcher.num_rollout)
+                   if not Path(pattern.format(rollout_id=step)).is_file()]
+        if missing:
+            raise ValueError(f"{flag_of(LauncherSettings, 'load_debug_rollout_data')} {pattern}: no file for step "
+                             f"{missing[0]} ({pattern.format(rollout_id=missing[0])}), {len(missing)} of the "
+                             f"{launcher.num_rollout} steps missing")
+
+
+def checkpoint_dir(load_dir: str) -> Path:
+    """The checkpoint ``--load load_dir`` resumes from (named by its ``latest.json``); ``ValueError`` if there is none."""
+    load = flag_of(LauncherSettings, "load")
+    latest = Path(load_dir) / "latest.json"
+    if not latest.is_file():
+        raise ValueError(f"{load} {load_dir}: no latest.json (not a checkpoint directory written by --save)")
+    try:
+        path = Path(json.loads(latest.read_text())["path"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{load} {load_dir}: latest.json does not name a checkpoint") from None
+    if not path.is_dir():
+        raise ValueError(f"{load} {load_dir}: latest.json names {path}, which does not exist")
+    return path
 
 
 def _check_across_parts(args: argparse.Namespace) -> None:

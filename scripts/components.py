@@ -22,11 +22,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from arguments import RunSettings
-from metrics_log import MetricsLogger, plot_metrics
+from arguments import RunSettings, check_inputs, checkpoint_dir
+from metrics_log import MetricsLogger, duration, eval_line, missing_plots, plot_metrics, read_metrics
 from producer import AsyncProducer
 
 from buffer.retry import call_buffer
+from metric_keys import EVAL_ACCURACY, ROLLOUT_REWARD_MEAN, ROLLOUT_TIME, STEP_TIME, TRAIN_TIME, WEIGHT_SYNC_TIME
 
 STATE_FILE = "driver_state.json"
 CRASH_ENV = "RESERVOIR_CRASH_AT"  # fault injection for the reliability tests: "<point>:<step>"
@@ -54,6 +55,12 @@ class Run:
         self._owns_ray = False
         self.max_staleness = settings.buffer.max_weight_staleness or 0
         self.is_async = self.max_staleness > 0 and not (self.s.debug_rollout_only or self.s.debug_train_only)
+        self._started = time.monotonic()  # for the closing summary's wall times
+        self._loop_started: float | None = None
+        self._bar = None  # the progress bar (``progress``)
+        self._last_eval: tuple[int, float] | None = None
+        self._plots: list[Path] = []
+        self.steps_done = 0
 
     # --- start-up ------------------------------------------------------------------------
     @classmethod
@@ -61,15 +68,12 @@ class Run:
         """Build the run: Ray, buffer, rollout manager, trainer ranks; then resume (``--load``) and connect weight sync.
 
         The rollout side and the trainer start side by side (one after the other with ``--colocate``). Raises
-        ValueError for a bad setting found while starting a part.
+        ValueError for a bad setting found while starting a part (``arguments.parse`` checked the input
+        files); the output directory gets its metrics, events and wandb run only once every part started.
         """
         run = cls(args, settings)
         run._maybe_build_toy_model()
         run._seed(settings.train.seed)
-        run.logger = MetricsLogger(run.output_dir, run.s.use_tensorboard, run.s.use_wandb, run.s.wandb_project,
-                                   # the flags as the user gave them (slime's names), for the run's record
-                                   run_config={k: v for k, v in vars(args).items() if _is_plain(v) and k != "wandb_key"},
-                                   wandb_group=run.s.wandb_group, wandb_key=run.s.wandb_key)
         run._start_ray()
         parts = [start for start, wanted in ((run._start_rollout_side, not run.s.debug_train_only),
                                              (run._start_trainer, not run.s.debug_rollout_only)) if wanted]
@@ -78,19 +82,28 @@ class Run:
                 start()
         else:  # the engines load their model while the trainer ranks build theirs
             _side_by_side(parts)
+        run.logger = MetricsLogger(run.output_dir, run.s.use_tensorboard, run.s.use_wandb, run.s.wandb_project,
+                                   # the flags as the user gave them (slime's names), for the run's record
+                                   run_config={k: v for k, v in vars(args).items() if _is_plain(v) and k != "wandb_key"},
+                                   wandb_group=run.s.wandb_group, wandb_key=run.s.wandb_key)
         if run.s.load:
             run._resume(run.s.load)
         if run.trainer is not None and run.rollout is not None:
             run._connect_weight_sync()
         return run
 
-    def _maybe_build_toy_model(self) -> None:
+    def _toy_model_to_build(self) -> Path | None:
         ckpt = Path(self.settings.train.hf_checkpoint)
-        if self.s.build_toy_model and not (ckpt / "config.json").exists():
+        return ckpt if self.s.build_toy_model and not (ckpt / "config.json").exists() else None
+
+    def _maybe_build_toy_model(self) -> None:
+        ckpt = self._toy_model_to_build()
+        if ckpt is not None:
             import make_toy_model
 
             print(f"building the toy model at {ckpt} (--build-toy-model)")
             make_toy_model.main(["--out", str(ckpt), "--warmup-steps", str(self.s.toy_warmup_steps)])
+            check_inputs(self.settings)  # what lies inside it (the toy prompts): parse could not check it yet
 
     def _seed(self, seed: int) -> None:
         random.seed(seed)
@@ -115,7 +128,7 @@ class Run:
         if bs.persist_dir is None and self.s.save:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
-        (self.output_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # (the rollout manager makes the logs directory once its plugins and prompts loaded)
         here = {}
         if self.s.colocate:  # its engines are local subprocesses: on this node, with the trainer ranks
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -186,11 +199,14 @@ class Run:
 
     # --- the schedule's steps --------------------------------------------------------------
     def progress(self, steps: Iterable[int]):
-        """A tqdm progress bar over ``steps``, starting at ``start_step`` of ``--num-rollout``."""
+        """A tqdm progress bar over ``steps``, starting at ``start_step`` of ``--num-rollout``: steps
+        done of all, and (``log_step``) the last step's rollout reward and the last eval accuracy."""
         from tqdm import tqdm
 
-        return tqdm(steps, desc="train" if not self.s.debug_rollout_only else "rollout", unit="step",
-                    initial=self.start_step, total=self.s.num_rollout, dynamic_ncols=True)
+        self._loop_started = time.monotonic()
+        self._bar = tqdm(steps, desc="rollout steps" if self.s.debug_rollout_only else "training steps", unit="step",
+                         initial=self.start_step, total=self.s.num_rollout, dynamic_ncols=True)
+        return self._bar
 
     def start_async_rollout(self) -> None:
         """Async mode: the rollout manager produces into the buffer, at most K steps ahead of
@@ -208,7 +224,7 @@ class Run:
 
         if self.rollout is None:  # --debug-train-only: batches come from files
             return
-        with self._timer("perf/rollout_time"):
+        with self._timer(ROLLOUT_TIME.key):
             self._pending.update(ray.get(self.rollout.push.remote(step, self.buffer)))
 
     def get_batch(self, step: int) -> list[list[Any]]:
@@ -239,14 +255,14 @@ class Run:
         if self.engine_memory is not None:  # --colocate: the engines' KV cache goes to the trainer
             with self._timer("perf/release_memory_time"):
                 self.engine_memory.release()
-        with self._timer("perf/train_time"):
+        with self._timer(TRAIN_TIME.key):
             self._pending.update(self.trainer.train_step(groups, step))
 
     def update_weights(self, version: int) -> None:
         """Push the trainer's weights to every engine; the buffer's version becomes ``version``."""
         if not self.weight_sync_connected:
             return
-        with self._timer("perf/weight_sync_time"):
+        with self._timer(WEIGHT_SYNC_TIME.key):
             metrics = self.trainer.push_weights(version, self._fault_in_push(version - 1))
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
         if self.engine_memory is not None:  # --colocate: the new weights are in; the KV cache comes back
@@ -317,18 +333,27 @@ class Run:
         with self._timer("perf/eval_time"):
             metrics = ray.get(self.rollout.evaluate.remote(step))
         self.logger.log(step, metrics)
+        if isinstance(metrics.get(EVAL_ACCURACY.key), (int, float)):
+            self._last_eval = (step, metrics[EVAL_ACCURACY.key])
         print(f"[eval @ step {step}] " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                                                    if k in ("eval/accuracy", "eval/reward_mean")), flush=True)
 
     def log_step(self, step: int, step_time: float) -> None:
         """Log this step's collected metrics (trainer, rollout, buffer, ``perf/...``) at ``step`` and start afresh."""
-        self._pending["perf/step_time"] = step_time
+        self._pending[STEP_TIME.key] = step_time
         if self._producer is not None:  # the producer's rollouts finished since the last step
             self._pending.update(_mean_metrics(self._producer.drain_metrics()))
         if self.buffer is not None:
             m = call_buffer(self.buffer, "metrics")
             self._pending.update({f"buffer/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
         self.logger.log(step, self._pending)
+        self.steps_done += 1
+        if self._bar is not None:
+            reward = self._pending.get(ROLLOUT_REWARD_MEAN.key)
+            self._bar.set_postfix_str(", ".join(
+                ([f"step {step} rollout reward {reward:.3f}"] if isinstance(reward, float) else [])
+                + ([f"eval accuracy {self._last_eval[1]:.3f} (step {self._last_eval[0]})"] if self._last_eval else [])),
+                refresh=False)
         self._pending = {}
 
     def finish(self) -> None:
@@ -350,9 +375,42 @@ class Run:
         if hasattr(self, "logger"):
             self.logger.close()
             if not self.s.no_plots and (self.output_dir / "metrics.jsonl").exists():
-                plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir)
+                self._plots = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir)
         if self._owns_ray:
             ray.shutdown()
+
+    def summary(self) -> str:
+        """The closing lines of a run that ended well: what ran, where its outputs are, the first,
+        best and last evaluation, the wall time."""
+        s, out = self.s, self.output_dir
+        mode = ("rollout only (--debug-rollout-only)" if s.debug_rollout_only
+                else "train only (--debug-train-only)" if s.debug_train_only
+                else f"async (--max-weight-staleness {self.max_staleness})" if self.is_async else "sync")
+        steps = (f"{self.steps_done} step(s), {self.start_step}-{self.start_step + self.steps_done - 1}"
+                 if self.steps_done else "0 steps")
+        total = time.monotonic() - self._started
+        loop = time.monotonic() - self._loop_started if self._loop_started is not None else 0.0
+        lines = [f"run finished: {steps} of --num-rollout {s.num_rollout}, {mode}"
+                 + (f", resumed from {s.load}" if self.start_step else "")
+                 + f"; wall time {duration(total)} ({duration(loop)} of it in the steps)"]
+        metrics_file = out / "metrics.jsonl"
+        if metrics_file.exists():
+            lines += [f"  eval:        {e}" for e in [eval_line(read_metrics(metrics_file))] if e]
+            lines.append(f"  metrics:     {metrics_file}")
+        if self._plots:
+            missing = [p.file for p in missing_plots(self._plots)]
+            lines.append(f"  plots:       {', '.join(p.name for p in self._plots)} in {out}"
+                         + (f" (no data for {', '.join(missing)})" if missing else ""))
+        elif s.no_plots:
+            lines.append("  plots:       none (--no-plots)")
+        if (out / "tensorboard").is_dir():
+            lines.append(f"  tensorboard: {out / 'tensorboard'}")
+        latest = Path(s.save or "", "latest.json")
+        lines.append(f"  checkpoint:  {json.loads(latest.read_text())['path']} (the last; --load {s.save} resumes)"
+                     if s.save and latest.is_file() else "  checkpoint:  none (--save DIR writes them)")
+        if (out / "logs").is_dir():
+            lines.append(f"  engine logs: {out / 'logs'}")
+        return "\n".join(lines)
 
     def resume_hint(self) -> str:
         """What to run after a failure: the last checkpoint and ``--load`` (exactly once from it)."""
@@ -366,10 +424,7 @@ class Run:
     def _resume(self, load_dir: str) -> None:
         import ray
 
-        latest = Path(load_dir) / "latest.json"
-        if not latest.exists():
-            raise ValueError(f"--load {load_dir}: no latest.json (not a checkpoint directory written by --save)")
-        path = Path(json.loads(latest.read_text())["path"])
+        path = checkpoint_dir(load_dir)
         state = json.loads((path / STATE_FILE).read_text())
         if self.trainer is not None:
             self.trainer.load(str(path / "trainer"))

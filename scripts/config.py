@@ -8,6 +8,7 @@ the file, the line and the flag.
 from __future__ import annotations
 
 import argparse
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str
         dest = str(key).lstrip("-").replace("-", "_")
         action = actions.get(dest)
         if action is None or dest in ("config", "help"):
-            raise ValueError(f"{where}: unknown flag '--{str(key).lstrip('-').replace('_', '-')}'")
+            flag = f"--{str(key).lstrip('-').replace('_', '-')}"
+            close = difflib.get_close_matches(flag, [a.option_strings[-1] for a in actions.values()], n=1, cutoff=0.75)
+            raise ValueError(f"{where}: unknown flag '{flag}'" + (f" (did you mean {close[0]}?)" if close else ""))
         out[dest] = _coerce(action, value, where, key)
     return out
 

@@ -16,8 +16,6 @@ import json
 import random
 from pathlib import Path
 
-import torch
-
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHARS = list("0123456789+-*=?.,:;!()[]{}<>/\\'\" _#") + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
     [chr(c) for c in range(ord("A"), ord("Z") + 1)] + ["\n"]
@@ -44,6 +42,7 @@ def build_tokenizer(out: Path):
 
 
 def build_model(vocab_size: int, seed: int, hidden: int, layers: int):
+    import torch  # here, not at the top: the launcher reads DEFAULT_DIR while parsing, before torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -74,6 +73,8 @@ def write_task(out: Path, train: list[dict], evals: list[dict]) -> None:
 
 def warmup(model, tok, rows: list[dict], steps: int, lr: float, batch: int, seed: int) -> None:
     """Supervised warm-up on ``<|user|>q<|assistant|>answer<eos>``, loss on the answer only."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     encoded = []

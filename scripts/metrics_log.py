@@ -2,7 +2,8 @@
 
 Every record carries ``step`` plus namespaced keys (``rollout/reward_mean``, ``train/loss``,
 ``eval/accuracy``, ``perf/step_time``, ...). Plots are drawn from ``metrics.jsonl`` at the end,
-so a resumed run's plots cover the whole run.
+so a resumed run's plots cover the whole run; which plots, and the keys they draw, are declared
+once in :mod:`metric_keys` (``PLOTS``), next to the keys the parts log.
 """
 
 from __future__ import annotations
@@ -13,14 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PLOTS = {  # file name -> metric keys drawn on it (the first key that exists is plotted per line)
-    "reward.png": ["rollout/reward_mean", "train/reward_mean"],
-    "eval_accuracy.png": ["eval/accuracy"],
-    "response_length.png": ["rollout/response_len_mean"],
-    "kl.png": ["train/kl", "train/train_rollout_logprob_abs_diff"],
-    "throughput.png": ["perf/tokens_per_s", "rollout/tokens_per_s", "perf/step_time"],
-}
-
+from metric_keys import EVAL_ACCURACY, PLOTS, Metric, Panel, Plot
 
 class MetricsLogger:
     """Appends metric records to ``output_dir/metrics.jsonl`` and, if asked, TensorBoard/wandb."""
@@ -109,29 +103,97 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """Draw one PNG per entry of ``PLOTS`` whose keys appear in the log; returns the files."""
+    """Draw each plot of ``metric_keys.PLOTS`` that has data in the log; returns the files written.
+
+    Each panel is its own axis (one unit each). A line whose values equal an earlier line's of the
+    same panel at every step (train and rollout reward in sync mode) is not drawn over it: the
+    earlier line's legend names both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    records = read_metrics(metrics_path)
     out_dir = Path(out_dir)
     written = []
-    for name, keys in PLOTS.items():
-        series = {k: [(r["step"], r[k]) for r in records if isinstance(r.get(k), (int, float))] for k in keys}
-        series = {k: v for k, v in series.items() if v}
-        if not series:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k, pts in series.items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None, label=k)
-        ax.set_xlabel("step")
-        ax.set_title(name.removesuffix(".png").replace("_", " "))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    for plot, panels in plot_layout(read_metrics(metrics_path)):
+        fig, axes = plt.subplots(len(panels), 1, figsize=(6.5, 1.2 + 2.6 * len(panels)), sharex=True, squeeze=False)
+        for ax, (panel, lines) in zip(axes[:, 0], panels):
+            for label, pts in lines:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None, label=label)
+            ax.set_ylabel(panel.ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[-1, 0].set_xlabel("step")
+        axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[0, 0].set_title(plot.title)
         fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=100)
+        fig.savefig(out_dir / plot.file, dpi=100)
         plt.close(fig)
-        written.append(out_dir / name)
+        written.append(out_dir / plot.file)
     return written
+
+
+def plot_layout(records: list[dict[str, Any]]) -> list[tuple[Plot, list[tuple[Panel, list[tuple[str, list]]]]]]:
+    """What :func:`plot_metrics` draws from ``records``: per plot with data, its panels with data,
+    each with its lines as ``(legend label, [(step, value)])``."""
+    out = []
+    for plot in PLOTS:
+        panels = [(panel, lines) for panel in plot.panels if (lines := _panel_lines(panel.lines, records))]
+        if panels:
+            out.append((plot, panels))
+    return out
+
+
+def missing_plots(written: list[Path]) -> list[Plot]:
+    """The declared plots not among ``written`` (no data for them in this run)."""
+    names = {p.name for p in written}
+    return [plot for plot in PLOTS if plot.file not in names]
+
+
+def _panel_lines(metrics: tuple[Metric, ...], records: list[dict[str, Any]]) -> list[tuple[str, list]]:
+    """``(legend label, [(step, value)])`` per metric with data; a metric equal to an earlier one
+    at every step joins that one's label instead of being drawn on top of it."""
+    lines: list[tuple[list[str], list]] = []
+    for m in metrics:
+        pts = [(r["step"], r[m.key]) for r in records
+               if isinstance(r.get(m.key), (int, float)) and not isinstance(r.get(m.key), bool)]
+        if not pts:
+            continue
+        same = next((names for names, other in lines if _coincide(pts, other)), None)
+        if same is not None:
+            same.append(m.key)
+        else:
+            lines.append(([m.key, m.label], pts))
+    return [(_label(names), pts) for names, pts in lines]
+
+
+def _label(names: list[str]) -> str:
+    key, label, *same = names
+    text = f"{key} ({label})" if label else key
+    return text + "".join(f"\n= {k} (the same values)" for k in same)
+
+
+def _coincide(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(sa == sb and math.isclose(va, vb, rel_tol=1e-9, abs_tol=1e-12)
+                                    for (sa, va), (sb, vb) in zip(a, b))
+
+
+def eval_line(records: list[dict[str, Any]], key: str = EVAL_ACCURACY.key) -> str | None:
+    """``key`` at the run's first, best and last evaluation, for its closing summary (None: no evaluation)."""
+    evals = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    if not evals:
+        return None
+    (first_step, first), (last_step, last) = evals[0], evals[-1]
+    best_step, best = max(evals, key=lambda e: e[1])  # the earliest of equal bests
+    return (f"{key}: first {first:.3g} (step {first_step}), best {best:.3g} (step {best_step}), "
+            f"last {last:.3g} (step {last_step})")
+
+
+def duration(seconds: float) -> str:
+    """``83`` -> ``"1m23s"`` (``"42.0s"`` under a minute)."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

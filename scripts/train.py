@@ -18,14 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arguments import parse  # noqa: E402
-from components import Run, error_line  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
-    args, settings = parse(argv)  # args: only what plugins get; the run reads settings
+    args, settings = parse(argv)  # args: only what plugins get; the run reads settings. Checks the input files
+    from components import Run, error_line  # after parse: its imports (torch) are slow, a usage error is not
+
     try:
         run = Run.start(args, settings)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
-    except ValueError as e:  # a bad setting found while starting a part (plugin path, prompt file, ...)
+    except ValueError as e:  # a bad setting found while starting a part (a plugin path, ...)
         sys.exit(f"scripts/train.py: error: {e}")
     step = run.start_step
     try:
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> Path:
         run.finish()
         raise
     run.finish()
+    print(run.summary(), flush=True)  # what ran, where its outputs are, eval first/best/last, wall time
     return run.output_dir
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +47,33 @@ def run_train(model: Path, out: Path, *extra: str, timeout: float = 400, crash_a
     with open(out / "launcher.log", "a") as log:
         log.write(proc.stdout)
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_the_main_job_writes_every_plot_readme_lists_and_a_closing_summary(warm_toy, tmp_path):
+    """Issue 29 items 2 and 7: the main job's config (scripts/quickstart.sh), for 2 steps, writes
+    each plot README lists (the KL plot without a reference model too) and ends with a summary
+    naming the steps, the outputs, eval first/best/last and the wall time."""
+    from metric_keys import PLOTS
+
+    out = tmp_path / "toy"
+    cmd = [a for a in train_cmd(warm_toy, out, "--num-rollout", "2", "--eval-interval", "2") if a != "--no-plots"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    listed = re.search(r"PNG plots of (.+?), and TensorBoard", readme)
+    assert listed, "README no longer says which PNG plots the main job writes"
+    names = [n.strip().lower() for n in re.split(r",|\band\b", listed.group(1)) if n.strip()]
+    by_title = {p.title.lower(): p.file for p in PLOTS}
+    assert set(names) == set(by_title), (names, sorted(by_title))  # README and metric_keys.PLOTS agree
+    assert sorted(f.name for f in out.glob("*.png")) == sorted(by_title.values())
+    summary = proc.stdout[proc.stdout.index("run finished: "):].splitlines()
+    assert summary[0].startswith("run finished: 2 step(s), 0-1 of --num-rollout 2, sync; wall time "), summary
+    assert re.fullmatch(r"  eval: +eval/accuracy: first [\d.]+ \(step 0\), best [\d.]+ \(step [02]\), "
+                        r"last [\d.]+ \(step 2\)", summary[1]), summary
+    assert f"  metrics:     {out / 'metrics.jsonl'}" in summary
+    assert any(line.startswith("  plots:       ") and "no data" not in line and "kl.png" in line for line in summary)
+    assert "  checkpoint:  none (--save DIR writes them)" in summary
 
 
 def train_records(records: list[dict]) -> list[dict]:

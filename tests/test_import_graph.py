@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Each package's layer: a package may import its own modules and those of a strictly lower layer.
 LAYERS = {
     "flags": 0,  # one declaration per flag (settings fields -> argparse): imports nothing of ours
+    "metric_keys": 0,  # the plotted metric keys and the plots: imports nothing of ours
     "sglang_protocol": 0,  # SGLang's protocol, ports, JSON: imports nothing of ours
     "plugins": 0,  # the plugin loader and the built-in plugins (rewards, filters)
     "embedded_engine": 1,  # SGLang stand-ins for CPU runs and tests: imports only sglang_protocol

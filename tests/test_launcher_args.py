@@ -116,7 +116,9 @@ def test_the_toy_configs_build_flag_does_not_build_at_a_mistyped_path(tmp_path, 
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert f"--hf-checkpoint {typo}: no HF checkpoint there" in capsys.readouterr().err
-    assert parse_args(argv + ["--build-toy-model"]).build_toy_model
+    # the prompts inside the model to build are checked once it is built
+    data = ["--prompt-data", str(typo / "data/train.jsonl"), "--eval-prompt-data", str(typo / "data/eval.jsonl")]
+    assert parse_args(argv + ["--build-toy-model"] + data).build_toy_model
     assert not typo.exists()  # parsing builds nothing
 
 

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from config import load_config_defaults
-from metrics_log import MetricsLogger, plot_metrics, read_metrics
+from metrics_log import MetricsLogger, missing_plots, plot_layout, plot_metrics, read_metrics
 
 
 def parser():
@@ -58,6 +58,33 @@ def test_metrics_log_and_plots(tmp_path):
     files = plot_metrics(tmp_path / "metrics.jsonl", tmp_path)
     assert {f.name for f in files} == {"reward.png", "eval_accuracy.png"}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_plots_put_each_unit_on_its_own_axis_and_merge_equal_lines(tmp_path):
+    """Issue 29 item 8: step time (seconds) is not drawn on the tokens/s axis, and train reward
+    equal to rollout reward (sync mode) is one line whose legend names both, not a hidden line."""
+    records = [{"step": s, "rollout/reward_mean": 0.1 * s, "train/reward_mean": 0.1 * s, "rollout/tokens_per_s": 6000.0,
+                "train/tokens_per_s": 9000.0 + s, "perf/step_time": 0.2, "perf/train_time": 0.1,
+                "train/train_rollout_kl": 1e-6, "train/train_rollout_logp_abs_diff": 1e-3} for s in range(3)]
+    records[2]["train/reward_mean"] = 0.3  # equal at 2 of 3 steps: two lines
+    layout = {plot.file: [(panel.ylabel, [label for label, _ in lines]) for panel, lines in panels]
+              for plot, panels in plot_layout(records)}
+    assert [ylabel for ylabel, _ in layout["throughput.png"]] == ["tokens/s", "seconds per step"]
+    assert [len(labels) for _, labels in layout["throughput.png"]] == [2, 2]
+    # no reference model: no train/kl panel
+    assert [ylabel for ylabel, _ in layout["kl.png"]] == ["train-rollout KL (nats/token)", "|Δ log p| (nats/token)"]
+    assert len(layout["reward.png"][0][1]) == 2
+    records[2]["train/reward_mean"] = records[2]["rollout/reward_mean"]
+    (reward,) = [lines for plot, panels in plot_layout(records) if plot.file == "reward.png" for _, lines in panels]
+    assert len(reward) == 1 and "rollout/reward_mean" in reward[0][0] and "train/reward_mean" in reward[0][0]
+    log = MetricsLogger(tmp_path)
+    for r in records:
+        log.log(r["step"], {k: v for k, v in r.items() if k != "step"})
+    log.close()
+    written = plot_metrics(tmp_path / "metrics.jsonl", tmp_path)
+    assert {f.name for f in written} == {"reward.png", "kl.png", "throughput.png"}
+    assert all(f.stat().st_size > 0 for f in written)
+    assert {p.file for p in missing_plots(written)} == {"eval_accuracy.png", "response_length.png"}
 
 
 def test_resume_truncates_metrics_and_purges_tensorboard_steps(tmp_path):

@@ -43,7 +43,7 @@ def test_offload_params_flag_needs_offload_and_excludes_a_mapped_push(toy_model_
     from arguments import parse
     from weight_sync.interfaces import resolve_load_format
 
-    base = ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", "x.jsonl"]
+    base = ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data" / "train.jsonl")]
     with pytest.raises(SystemExit):
         parse_args([*base, "--offload-train-params"])  # CPU: no --offload-train to go with it
     assert "--offload-train-params moves the parameters" in capsys.readouterr().err

@@ -19,10 +19,18 @@ def test_cli_writes_parquet_and_summary(toy_model_dir, tmp_path, capsys):
                             "--rollout-num-engines", "2", "--n-samples-per-prompt", "2", "--rollout-batch-size", "4",
                             "--rollout-max-response-len", "8", "--num-rollout", "2", "--output", str(out),
                             "--log-dir", str(tmp_path / "logs")))
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "rollout/reward_mean" in printed and "rollout/tokens_per_s" in printed and f"to {out}" in printed
     groups = read_parquet(out)
     assert len(groups) == 8 and metrics["rollout/num_groups"] == 8
+    # issue 29 item 9: the bar's reward is labelled, a mean over every kept group so far, and ends
+    # where the summary's does (each step scored all of its samples here); then what ran and where
+    assert captured.err.rstrip().endswith(f"mean reward so far {metrics['rollout/reward_mean']:.4f}]"), captured.err
+    assert metrics["rollout/failed_frac"] == 0.0
+    assert "rollout summary (2 step(s) of 4 prompts x 2 samples; per-step means averaged over the steps" in printed
+    assert f"rollout finished: 2 step(s) of 4 prompts x 2 samples; groups in {out}; engine and router logs in " \
+           f"{tmp_path / 'logs'}; wall time " in printed
     tok = AutoTokenizer.from_pretrained(toy_model_dir)
     for g in groups:
         check_group(g, 2)

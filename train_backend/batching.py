@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
+from metric_keys import TRAIN_REWARD_MEAN
 from train_backend.losses import LossDenominators, compute_advantages, masked_whiten
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_s
     With ``hooks`` that read the rollout data (:attr:`TrainHooks.needs_rollout_data`), ``log_probs``
     gives them the policy's and the reference's log-probs (collective)."""
     batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len, hooks)
-    metrics: dict[str, float] = {"train/rollout_id": float(step), "train/reward_mean": batch.reward_mean,
+    metrics: dict[str, float] = {"train/rollout_id": float(step), TRAIN_REWARD_MEAN.key: batch.reward_mean,
                                  "train/num_samples": float(len(batch.samples))}
     metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
     if not batch.samples:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from metric_keys import TRAIN_KL, TRAIN_PPO_KL, TRAIN_ROLLOUT_KL, TRAIN_ROLLOUT_LOGP_ABS_DIFF
 from train_backend.settings import TrainSettings
 from train_backend.settings import TrainSettings as _T  # the defaults of LossConfig
 
@@ -320,13 +321,13 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     loss = pg_loss
     stats["pg_loss"] = pg_loss.detach()
     stats["pg_clipfrac"] = metric(clipped)
-    stats["ppo_kl"] = metric(old_logp - logp)
+    stats[TRAIN_PPO_KL.name] = metric(old_logp - logp)  # the plotted keys: metric_keys
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, cfg.kl_loss_type)  # [N]
         kl_loss = aggregate(kl, m, cfg.loss_agg, seq_ids, num_seqs, denom)
         if cfg.use_kl_loss and cfg.kl_coef != 0:
             loss = loss + cfg.kl_coef * kl_loss
-        stats["kl"] = metric(kl)
+        stats[TRAIN_KL.name] = metric(kl)
     if entropy is not None:
         if cfg.entropy_coef != 0:
             loss = loss - cfg.entropy_coef * aggregate(entropy, m, cfg.loss_agg, seq_ids, num_seqs, denom)
@@ -334,8 +335,8 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     if has_rollout:
         rm = m * rollout_mask.to(m.dtype)  # [N]
         diff = (old_logp - rollout_logp).detach()  # [N]
-        stats["train_rollout_logp_abs_diff"] = (diff.abs() * rm).sum()
-        stats["train_rollout_kl"] = (kl_penalty(rollout_logp, old_logp.detach(), "k3") * rm).sum()
+        stats[TRAIN_ROLLOUT_LOGP_ABS_DIFF.name] = (diff.abs() * rm).sum()
+        stats[TRAIN_ROLLOUT_KL.name] = (kl_penalty(rollout_logp, old_logp.detach(), "k3") * rm).sum()
         stats["_rollout_tokens"] = rm.sum()
     stats["loss"] = loss.detach()
     return loss, stats

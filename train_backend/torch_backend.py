@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from buffer.sample import Sample
+from metric_keys import TRAIN_KL, TRAIN_PPO_KL, TRAIN_ROLLOUT_KL, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_TOKENS_PER_S
 from train_backend import torch_checkpoint
 from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, begin_train_step, pack,
                                     plan_micro_batches)
@@ -31,9 +32,10 @@ from train_backend.schedule import lr_factor
 
 # Stats of rl_loss that are means over the step (over its loss tokens, or its samples under
 # seq_mean_token_mean), averaged over optimizer steps.
-_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "tis_weight", "tis_clipfrac")
+_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
+               "tis_clipfrac")
 # Raw sums over the rollout batch, normalized by the rollout-token count.
-_ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
+_ROLLOUT_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
 
 
 class TorchBackend:
@@ -270,7 +272,7 @@ class TorchBackend:
         metrics["train/lr"] = lrs[-1]
         metrics["train/optimizer_steps"] = float(len(steps))
         elapsed = time.perf_counter() - t0
-        metrics["train/tokens_per_s"] = metrics.pop("train/_tokens") / elapsed
+        metrics[TRAIN_TOKENS_PER_S.key] = metrics.pop("train/_tokens") / elapsed
         metrics["train/step_time_s"] = elapsed
         return metrics
 

@@ -8,12 +8,12 @@ SGLang servers and the embedded engine. Every default of weight_sync lives in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 
 from flags import SettingError, flag
-from sglang_protocol.buckets import dtype_name
+
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher parses its flags without it
+    import torch
 
 TRANSPORTS = ("auto", "distributed", "disk", "tensor")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -21,7 +21,7 @@ LOAD_FORMATS = ("auto", "flattened_bucket", "tensor", "mapped")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 #: What a push consumes: ``(hf_name, full tensor)`` pairs, e.g. ``backend.named_hf_weights()``.
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
 
 
 @runtime_checkable
@@ -181,6 +181,8 @@ class WeightSyncSettings:
         """``gloo`` or ``nccl`` (``auto``: nccl where CUDA is available)."""
         if self.backend != "auto":
             return self.backend
+        import torch
+
         return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -194,13 +196,17 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        import torch
+
         n = 1
         for s in self.shape:
             n *= s
         return n * getattr(torch, self.dtype).itemsize
 
     @staticmethod
-    def of(name: str, t: torch.Tensor) -> "TensorSpec":
+    def of(name: str, t: "torch.Tensor") -> "TensorSpec":
+        from sglang_protocol.buckets import dtype_name
+
         return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
 
 
@@ -215,5 +221,7 @@ def resolve_load_format(load_format: str, transport: str, params_move: bool = Fa
 
 def is_float_dtype(name: str) -> bool:
     """Whether ``name`` (``"bfloat16"``, ``"torch.float32"``) names a floating-point torch dtype."""
+    import torch
+
     dt = getattr(torch, str(name).removeprefix("torch."), None)
     return isinstance(dt, torch.dtype) and dt.is_floating_point

@@ -25,6 +25,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from buffer.sample import Sample
+from metric_keys import TRAIN_KL, TRAIN_PPO_KL, TRAIN_ROLLOUT_KL, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_TOKENS_PER_S
 from train_backend.batching import RolloutBatch, balance, begin_train_step, pack
 from train_backend.hooks import TrainHooks
 from train_backend.settings import TrainSettings
@@ -37,8 +38,9 @@ from train_backend.schedule import learning_rate
 # Stats of rl_loss that are means over the step (over its loss tokens, or its samples under
 # seq_mean_token_mean; averaged over optimizer steps), and raw sums normalised by the rollout-token
 # count; same names as the torch backend.
-_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "tis_weight", "tis_clipfrac")
-_ROLLOUT_STATS = ("train_rollout_logp_abs_diff", "train_rollout_kl")
+_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
+               "tis_clipfrac")
+_ROLLOUT_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
 _ALL_STATS = _STEP_STATS + _ROLLOUT_STATS + ("_rollout_tokens",)
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -348,7 +350,7 @@ class MegatronBackend:
         metrics["train/lr"] = lrs[-1]
         metrics["train/optimizer_steps"] = float(len(steps))
         elapsed = time.perf_counter() - t0
-        metrics["train/tokens_per_s"] = metrics.pop("train/_tokens") / elapsed
+        metrics[TRAIN_TOKENS_PER_S.key] = metrics.pop("train/_tokens") / elapsed
         metrics["train/step_time_s"] = elapsed
         return metrics
 
@@ -362,7 +364,7 @@ class MegatronBackend:
             dist.all_reduce(vec)
         total = dict(zip(_ALL_STATS + ("_tokens",), vec.tolist()))
         out = {f"train/{n}": total[n] / num_steps for n in _STEP_STATS
-               if n not in ("kl",) or self.ref_model is not None}
+               if n != TRAIN_KL.name or self.ref_model is not None}
         if not self.loss_cfg.use_tis:
             out.pop("train/tis_weight"), out.pop("train/tis_clipfrac")
         if total["_rollout_tokens"] > 0:
