@@ -73,7 +73,7 @@ def write_template(name: str, out: Path) -> Path:
 
     tmpl = out / f"{name}_template"
     tmpl.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**SETS[name], max_position_embeddings=4096, tie_word_embeddings=False,
+    LlamaConfig(**SETS[name], max_position_embeddings=4096, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
                 torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(tmpl)
     build_tokenizer(tmpl)
     return tmpl

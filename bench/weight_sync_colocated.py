@@ -87,7 +87,7 @@ def bench_set(name: str, args, work: Path) -> dict:
     del weights
     nbytes = sum(x.numel() * x.element_size() for _, x in named)
     model = _ws.write_template(name, work)
-    port = free_port()
+    port = _sgl.free_sglang_port() if args.engine == "sglang" else free_port()
     if args.engine == "sglang":  # its own loaders and memory saver; dummy weights, no tokenizer on disk needed
         proc = _sgl.start_sglang(model, port, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
                                  "--custom-weight-loader", LOADER, "--enable-memory-saver", "--mem-fraction-static",

@@ -66,6 +66,7 @@ class Scheduler:
         self._aborts: list[tuple[str | None, str]] = []  # (rid or None for all, message)
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._paused = False
+        self._kept = False  # the last pause kept its requests (in_place, retract)
         self._stopping = False
         self._busy = False  # the scheduler thread is running commands or a step (under _cv)
         self._inline = False  # a command runs in the caller's thread (run_now_if_paused): hold off
@@ -117,6 +118,7 @@ class Scheduler:
         with self._cv:
             if mode == "abort":
                 self._abort_locked(None, "aborted by pause_generation")
+            self._kept = mode != "abort"  # requests the pause keeps: a cache flush cannot run under them
             self._paused = True
             self._cv.notify()
             return not self._busy and not self._aborts
@@ -175,6 +177,11 @@ class Scheduler:
                 self._inline = False
                 self._cv.notify()
         return fut
+
+    def holds_paused_requests(self) -> bool:
+        """Paused by ``in_place`` or ``retract`` with requests kept (SGLang cannot flush its cache then)."""
+        with self._cv:
+            return self._paused and self._kept and bool(self._live)
 
     def load(self) -> dict:
         with self._cv:

@@ -323,7 +323,15 @@ class Engine:
         self.weights.end_session()
         return "Success"
 
+    def _check_flush(self, b: dict) -> None:
+        """As SGLang: a weight update that asks for a cache flush needs an idle engine (0.5.15's
+        scheduler fails an assertion and the server ends; here the update is refused)."""
+        if b.get("flush_cache") and self.scheduler.holds_paused_requests():
+            raise WeightUpdateError("flush_cache: requests are held by an in_place or retract pause; the cache "
+                                    "cannot be flushed under them (send flush_cache false)")
+
     async def update_weights_from_distributed(self, b: dict) -> str:
+        self._check_flush(b)
         await self.weights.update_from_distributed(list(b["names"]), list(b["dtypes"]), list(b["shapes"]),
                                                    str(b["group_name"]), b.get("load_format"),
                                                    b.get("weight_version"))
@@ -331,6 +339,7 @@ class Engine:
 
     async def update_weights_from_tensor(self, b: dict) -> str:
         """SGLang's ``/update_weights_from_tensor`` (colocated mode): TP rank 0's payload is loaded."""
+        self._check_flush(b)
         req = parse_request(b)
         if req.abort_all_requests:
             self.scheduler.abort(None)

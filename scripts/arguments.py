@@ -262,10 +262,6 @@ def _check_across_parts(args: argparse.Namespace) -> None:
     from weight_sync.interfaces import WeightSyncSettings
 
     engine = flag_of(EngineFleetSettings, "rollout_engine")
-    if args.check_weight_update_equal and args.rollout_engine == "sglang":
-        # (for --engine-urls servers of another kind the sender finds out at connect, before any push)
-        raise ValueError(f"{flag_of(WeightSyncSettings, 'check_equal')} compares the engines' /weights_checksum, "
-                         f"which SGLang servers do not have (every push would fail): drop it with {engine} sglang")
     if not args.debug_rollout_only and (args.rollout_top_p < 1 or args.rollout_top_k > 0):
         log.warning("%s %s / %s %s: rollouts are sampled from the truncated distribution, but training uses "
                     "log-probs of the untruncated distribution (the engines' rollout log-probs and the trainer's "

@@ -36,6 +36,16 @@ def sglang_version() -> str:
     return version("sglang")
 
 
+def free_sglang_port() -> int:
+    """A free port that SGLang can take: it also listens on port + 10000 (its gRPC port)."""
+    from sglang_protocol.net import free_port
+
+    while True:
+        port = free_port()
+        if port < 55000:
+            return port
+
+
 def start_sglang(model: Path, port: int, *extra: str, log: Path | None = None, timeout: float = 600.0,
                  env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python -m sglang.launch_server`` on ``model`` at 127.0.0.1:``port`` with the bundle's flags

@@ -263,10 +263,11 @@ def test_embedded_engine_answers_like_sglang(oracles, engine_url):
     assert not differ, f"(call, body, SGLang's status, ours): {differ}"
 
 
-@pytest.mark.parametrize("pause_mode", ["abort", "in_place"])
-def test_flush_only_on_the_last_bucket_and_never_with_in_place_pauses(oracles, pause_mode):
-    """SGLang refuses a flush while requests are held (``in_place`` pauses keep them), failing the
-    update: with in_place no bucket asks for one; otherwise only the version's last bucket does."""
+@pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
+def test_flush_only_on_the_last_bucket_and_only_after_an_abort(oracles, pause_mode):
+    """A flush needs an idle engine: ``in_place`` keeps the requests running and ``retract`` puts them
+    back in the waiting queue (SGLang 0.5.15 then fails an assertion in its scheduler and the server
+    ends: seen on the GPU tier). So only an ``abort`` pause flushes, on the version's last bucket."""
     url = oracles["tp2"]
     n0 = len(_get(url, "/oracle/requests")["distributed_updates"])
     with WeightSender(_settings(pause_mode=pause_mode)) as sender:
@@ -274,7 +275,7 @@ def test_flush_only_on_the_last_bucket_and_never_with_in_place_pauses(oracles, p
         m = sender.push(_weights(13), version=14)
     updates = _get(url, "/oracle/requests")["distributed_updates"][n0:]
     assert len(updates) == m["weight_sync/num_buckets"] >= 3
-    assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [pause_mode != "in_place"]
+    assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [pause_mode == "abort"]
     assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["14"]
 
 

@@ -46,10 +46,10 @@ def toy(tmp_path_factory) -> Path:
 def server(toy, tmp_path_factory):
     """One SGLang server on the toy model, bf16, colocated settings (memory saver, the held-weights
     loader allowed, a small static memory fraction), CUDA graphs off (the launcher test has them)."""
+    from _fixtures_sglang import free_sglang_port
     from sglang_protocol.held_weights import LOADER
-    from sglang_protocol.net import free_port
 
-    port = free_port()
+    port = free_sglang_port()
     log = tmp_path_factory.mktemp("sgl-log") / "server.log"
     proc = start_sglang(toy, port, "--dtype", "bfloat16", "--mem-fraction-static", "0.2", "--enable-memory-saver",
                         "--custom-weight-loader", LOADER, "--disable-cuda-graph", log=log)
@@ -94,7 +94,7 @@ class _InFlight:
     def __init__(self, url: str, n: int = 16):
         self.answers: list[dict] = []
         self.errors: list[str] = []
-        body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 256, "temperature": 1.0,
+        body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 200, "temperature": 1.0,
                                                                 "ignore_eos": True}}
 
         def one() -> None:
@@ -133,9 +133,9 @@ def test_push_lands_exactly_while_requests_are_in_flight(server, toy, load_forma
         assert len(flight.answers) == 16
         if pause_mode == "abort":  # aborted requests come back with what they had (partial rollout resumes them)
             assert any(a["meta_info"]["finish_reason"]["type"] == "abort" for a in flight.answers) or \
-                all(a["meta_info"]["completion_tokens"] == 256 for a in flight.answers)
-        else:  # kept across the push: each finishes its 256 tokens
-            assert all(a["meta_info"]["completion_tokens"] == 256 for a in flight.answers), \
+                all(a["meta_info"]["completion_tokens"] == 200 for a in flight.answers)
+        else:  # kept across the push: each finishes its 200 tokens (the toy model has 256 positions)
+            assert all(a["meta_info"]["completion_tokens"] == 200 for a in flight.answers), \
                 [a["meta_info"]["finish_reason"] for a in flight.answers][:4]
         assert _read_back_equal(server, named, torch.bfloat16) == []
         assert sender._loop.run(sender.engines[0].client.get_weight_version(), timeout=60) == "7"

@@ -113,10 +113,12 @@ class Transport:
 
 def last_bucket(settings: WeightSyncSettings, version: int, last: bool) -> dict[str, Any]:
     """``weight_version`` and ``flush_cache`` of a bucket: only the last one carries the version (an
-    engine reports v only once all of v is in place) and flushes the cache (never with ``in_place``:
-    SGLang refuses a flush while requests are held)."""
+    engine reports v only once all of v is in place) and flushes the cache, only after an ``abort``
+    pause: ``in_place`` and ``retract`` keep the requests (running, or back in the waiting queue), and
+    SGLang 0.5.15's flush then fails an assertion in its scheduler, which ends the server (seen on the
+    GPU tier; 0.5.23 refuses the flush)."""
     return {"weight_version": str(version) if last else None,
-            "flush_cache": last and settings.pause_mode != "in_place"}
+            "flush_cache": last and settings.pause_mode == "abort"}
 
 
 def start_packing(pack: Callable[[], P], here: bool) -> "asyncio.Future[P]":
