@@ -39,7 +39,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900),  # SGLang's start-up
 def toy(tmp_path_factory) -> Path:
     import make_toy_model
 
-    return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("sgl") / "model"), "--warmup-steps", "20"])
+    # the example's warm-up (60 steps): with 20, eval stayed at 0.094 for 12 steps with either engine (2026-12-03)
+    return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("sgl") / "model"), "--warmup-steps", "60"])
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +225,9 @@ def test_launcher_colocated_torch_loses_its_only_engine(toy, tmp_path):
     from buffer.arrow import read_parquet
 
     out = tmp_path / "torch"
-    steps_n = 12
+    steps_n = 20
     t0 = time.monotonic()
-    records, text = _launch(toy, out, "--num-rollout", str(steps_n), "--eval-interval", "6",
+    records, text = _launch(toy, out, "--num-rollout", str(steps_n), "--eval-interval", "10",
                             "--check-weight-update-equal", "--health-check-interval", "1",
                             "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"),
                             env={"RESERVOIR_CRASH_AT": "engine@after_train:4"})
