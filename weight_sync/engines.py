@@ -165,7 +165,10 @@ async def _compare_readback(e: EngineState, named, dtypes: dict[str, str], timeo
     shard of a column-parallel weight is the tensor's leading rows: those are compared)."""
     import torch
 
-    sem = asyncio.Semaphore(8)  # a handful of reads in flight: each is one tensor as JSON
+    # One read at a time: SGLang 0.5.15's tokenizer manager queues control calls in a FanOutCommunicator
+    # whose hand-over races when a third call arrives as one ends (an empty AssertionError, answered
+    # 400 {"message": ""}: seen on the GPU tier with 8 reads in flight)
+    sem = asyncio.Semaphore(1)
 
     async def one(name: str, t: "torch.Tensor") -> None:
         rows = readback_rows(t)
