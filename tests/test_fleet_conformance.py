@@ -151,19 +151,22 @@ def test_weight_sync_settings_carry_the_engines_keys(base):
 
 
 # --- 5: --check-weight-update-equal ------------------------------------------------------------
-def test_check_weight_update_equal_refused_at_start_up_for_sglang(base, capsys):
-    with pytest.raises(SystemExit):
-        parse_args(base + ["--rollout-engine", "sglang", "--rollout-num-gpus", "1", "--check-weight-update-equal"])
-    assert "--check-weight-update-equal" in capsys.readouterr().err
+def test_check_weight_update_equal_accepted_for_sglang(base):
+    """SGLang servers are compared by a read-back (``/get_weights_by_name``): the flag is not refused."""
+    args = parse_args(base + ["--rollout-engine", "sglang", "--rollout-num-gpus", "1", "--check-weight-update-equal"])
+    assert args.check_weight_update_equal
 
 
-def test_check_weight_update_equal_refused_at_connect_before_any_pause(oracle):
+def test_check_weight_update_equal_reads_back_with_the_admin_key_and_pauses_nothing_at_connect(oracle):
+    """At connect the sender finds out how it can compare with an SGLang server (no
+    ``/weights_checksum``): one read-back probe, sent with the admin key SGLang requires; nothing
+    is paused."""
     before = _seen(oracle)["control"]
     settings = WeightSyncSettings(check_equal=True, timeout_s=30, api_key="k1", admin_api_key="k2")
     with WeightSender(settings) as sender:
-        with pytest.raises(ValueError, match="--check-weight-update-equal"):  # SGLang: 404 on /weights_checksum
-            sender.connect([oracle])
-    assert _seen(oracle)["control"] == before  # no group joined, nothing paused
+        sender.connect([oracle])
+        assert sender.engines[0].check == "readback"
+    assert "pause_generation" not in _seen(oracle)["control"][len(before):]
 
 
 # --- 7: the engines' environment --------------------------------------------------------------
