@@ -96,7 +96,8 @@ def test_megatron_backend_calls_tis_reducer_and_megatron_hooks(toy_model_dir, tm
     from slime_fixtures.megatron_rank import HOOKS, run
 
     args = parse_args(["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir),
-                       "--train-backend", "megatron", "--use-tis", "--attention-backend", "auto",
+                       "--prompt-data", str(toy_model_dir / "data/train.jsonl"),  # parse checks the files
+                       "--eval-prompt-data", str(toy_model_dir / "data/eval.jsonl"), "--train-backend", "megatron", "--use-tis", "--attention-backend", "auto",
                        "--expert-model-parallel-size", "1",
                        *[a for flag, path in HOOKS.items() for a in ("--" + flag.replace("_", "-"), path)]])
     settings = settings_from_args(args)
