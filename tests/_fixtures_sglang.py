@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,24 +48,21 @@ def start_sglang(model: Path, port: int, *extra: str, log: Path | None = None, t
                  env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python -m sglang.launch_server`` on ``model`` at 127.0.0.1:``port`` with the bundle's flags
     and ``extra``; returns once ``/health`` answers (RuntimeError with the log's tail if it exits)."""
+    from embedded_engine.launch import wait_healthy
+
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
            "--port", str(port), *BUNDLE_FLAGS, *extra]
     out = open(log, "w") if log is not None else subprocess.DEVNULL
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                             start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text()[-3000:] if log is not None else ""
-            raise RuntimeError(f"SGLang exited with {proc.returncode}: {' '.join(cmd)}\n{tail}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(1.0)
-    stop_sglang(proc)
-    raise RuntimeError(f"SGLang did not answer /health within {timeout}s: {' '.join(cmd)}")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout, proc)
+    except RuntimeError as e:
+        stop_sglang(proc)
+        tail = log.read_text()[-3000:] if log is not None else ""
+        raise RuntimeError(f"SGLang: {e}: {' '.join(cmd)}\n{tail}") from None
+    return proc
 
 
 def stop_sglang(proc: subprocess.Popen) -> None:
