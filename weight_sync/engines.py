@@ -162,9 +162,8 @@ async def _compare_readback(e: EngineState, named, dtypes: dict[str, str], timeo
     What SGLang returns: the leading rows of the tensor as TP rank 0 holds it. So the engine may
     answer more rows than the trainer has (a vocabulary padded to a multiple of 64 or 128: only
     the trainer's rows are compared, the padding is SGLang's) and, with TP > 1, fewer (rank 0's
-    shard of a column-parallel weight is the tensor's leading rows: those are compared)."""
-    import torch
-
+    shard of a column-parallel weight is the tensor's leading rows: those are compared). Each
+    comparison runs in a thread while the next tensor is read."""
     # One read at a time: SGLang 0.5.15's tokenizer manager queues control calls in a FanOutCommunicator
     # whose hand-over races when a third call arrives as one ends (an empty AssertionError, answered
     # 400 {"message": ""}: seen on the GPU tier with 8 reads in flight)
