@@ -10,7 +10,9 @@ than the copy behind it.
 A trainer's parameters stay put between pushes (optimizers update them in place), so their handles
 are the same at every push. :func:`load_and_hold` loads like SGLang's default path
 (``model.load_weights``) and then holds the tensors it was given until the next call: at the next
-push torch finds each allocation still mapped and opens nothing; only the copies are left.
+push torch finds each allocation still mapped and opens nothing. And since the same bytes land in
+the same parameters at every push, the first load is recorded and later pushes replay its copies
+in a few batched kernels instead of walking the model again (``load_replay``).
 
 What travels (:func:`pack`, read back by :func:`unpack`): one pair per *storage*, not per tensor.
 Each CUDA tensor sent costs both processes a fixed amount of work (an IPC event and a reference
@@ -34,31 +36,66 @@ everything held.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any, Iterable
 
 import torch
 
+from sglang_protocol import load_replay
 from sglang_protocol.buckets import dtype_name, parse_dtype
+
+logger = logging.getLogger(__name__)
 
 LOADER = "sglang_protocol.held_weights.load_and_hold"
 HEADER = "reservoir.held:"
 
-# per model (one per engine process and TP rank): the tensors of the last push
+# per model (one per engine process and TP rank): the tensors of the last push, and the recorded
+# load of their storages, or the signature of storages whose load cannot be replayed
 _held: dict[int, list[Any]] = {}
+_plans: dict[int, load_replay.Plan] = {}
+_refused: dict[int, tuple] = {}
 
 
 def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
     """SGLang's custom weight loader contract, ``fn(model, named_tensors)``: load ``named_tensors``
     with ``model.load_weights`` (SGLang's own loading: stacked projections, TP sharding, casts) and
-    hold them until the next call, so their allocations stay mapped. An empty list lets go of
-    what is held."""
+    hold them until the next call, so their allocations stay mapped. The first load of a set of
+    storages is recorded (``load_replay``); a later push of the same storages into the same
+    parameters replays the recorded copies instead of walking the model again. An empty list lets
+    go of what is held."""
     named = list(named_tensors)
     if not named:
         _held.pop(id(model), None)
+        _plans.pop(id(model), None)
+        _refused.pop(id(model), None)
         return
-    model.load_weights(unpack(named))
+    if not isinstance(model, torch.nn.Module):  # a stand-in with load_weights alone (the embedded engine's)
+        model.load_weights(unpack(named))
+        _held[id(model)] = [t for _, t in named]
+        return
+    sig = load_replay.signature(named, load_replay.model_tensors(model))
+    plan = _plans.get(id(model))
+    if plan is not None and plan.signature == sig:
+        plan.replay()
+    elif _refused.get(id(model)) == sig:  # recorded once already: this load cannot be replayed
+        model.load_weights(unpack(named))
+    else:
+        plan, why = load_replay.record(model, named, lambda: model.load_weights(unpack(named)))
+        _plans.pop(id(model), None)
+        _refused.pop(id(model), None)
+        if plan is not None:
+            _plans[id(model)] = plan
+        else:
+            _refused[id(model)] = sig
+            logger.warning("held weights: pushes walk load_weights, none is replayed: %s", why)
     _held[id(model)] = [t for _, t in named]  # replaces the last push's: same allocations, still mapped
+
+
+def replays(model: Any) -> int:
+    """How many pushes into ``model`` replayed a recorded load (0 without a plan)."""
+    plan = _plans.get(id(model))
+    return plan.replays if plan is not None else 0
 
 
 def pack(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
