@@ -336,40 +336,24 @@ def _train(model: Path, out: Path, config: str, *extra: str, timeout: float = 40
     return [json.loads(line) for line in open(out / "metrics.jsonl")], proc.stdout + proc.stderr  # Ray actors log to stderr
 
 
-def test_colocated_launcher_run_on_the_cpu(toy_model_dir, tmp_path):
+def test_colocated_run_on_the_cpu_survives_losing_its_only_engine(toy_model_dir, tmp_path):
     """--colocate on the CPU: the tensor transport (shared-memory files; ``mapped``: the trainer's
-    parameters, in one buffer, held by the engine), the engines paused and released before each
+    parameters, in one buffer, held by the engine), the engine paused and released before each
     training step and resumed after each push, every push checked tensor by tensor against the
-    trainer's, rollouts of step k on version k."""
-    records, stdout = _train(toy_model_dir, tmp_path / "colocate", "examples/toy/grpo_cpu.yaml", "--colocate",
-                             "--num-rollout", "3",
-                             "--rollout-num-engines", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-                             "--eval-interval", "3", "--skip-eval-before-train", "--check-weight-update-equal")
-    assert "weight sync: tensor" in stdout
-    steps = [r for r in records if "train/loss" in r]
-    assert [r["step"] for r in steps] == [0, 1, 2]
-    assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/version"] == r["step"] + 1 for r in steps)
-    assert all(r["weight_sync/held_tensors"] > 0 and r["weight_sync/num_buckets"] == 0 for r in steps)  # auto: mapped
-    assert all(r["weight_sync/bytes"] == steps[0]["weight_sync/bytes"] > 0 for r in steps)
-    assert all(r["perf/release_memory_time"] > 0 and r["perf/resume_memory_time"] > 0 for r in steps)
-    assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
-    assert not any(k.startswith("memory/") for r in steps for k in r)  # GPU memory: on GPUs only
-    assert [r["step"] for r in records if "eval/accuracy" in r] == [3]
-
-
-def test_colocated_run_survives_losing_its_only_engine(toy_model_dir, tmp_path):
-    """One colocated engine, SIGKILLed after step 1 trained (released, paused, holding version 1):
-    the push of version 2 finds no live engine and waits while the fleet restarts it; the restarted
-    engine gets version 2 before it serves again (it is back in the router only at the fleet's
-    version), its memory, never released, is not resumed (SGLang fails on that; so does the
-    embedded engine), and the run ends with every group trained once, each rollout on the
-    version before it."""
+    trainer's, rollouts of step k on version k. Its one engine is SIGKILLed after step 1 trained
+    (released, paused, holding version 1): the push of version 2 finds no live engine and waits
+    while the fleet restarts it; the restarted engine gets version 2 before it serves again (it is
+    back in the router only at the fleet's version), its memory, never released, is not resumed
+    (SGLang fails on that; so does the embedded engine), and the run ends with every group trained
+    once."""
     out = tmp_path / "lost"
     records, stdout = _train(toy_model_dir, out, "examples/toy/grpo_cpu.yaml", "--colocate", "--num-rollout", "4",
                              "--rollout-num-engines", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                             "--eval-interval", "1000", "--skip-eval-before-train", "--health-check-interval", "0.5",
+                             "--eval-interval", "4", "--skip-eval-before-train", "--health-check-interval", "0.5",
+                             "--check-weight-update-equal",
                              "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"),
                              env={"RESERVOIR_CRASH_AT": "engine@after_train:1"})
+    assert "weight sync: tensor" in stdout
     assert "SIGKILL engine at after_train of step 1" in stdout
     assert "push v2: no live engine; waiting" in stdout, stdout[-3000:]
     assert "was restarted while its memory was released" in stdout, stdout[-3000:]
@@ -377,6 +361,13 @@ def test_colocated_run_survives_losing_its_only_engine(toy_model_dir, tmp_path):
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
     assert steps[1]["weight_sync/revived"] == 1 and steps[1]["weight_sync/attempts"] == 2
     assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
+    assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/version"] == r["step"] + 1 for r in steps)
+    assert all(r["weight_sync/held_tensors"] > 0 and r["weight_sync/num_buckets"] == 0 for r in steps)  # auto: mapped
+    assert all(r["weight_sync/bytes"] == steps[0]["weight_sync/bytes"] > 0 for r in steps)
+    assert all(r["perf/release_memory_time"] > 0 for r in steps)
+    assert all(r["perf/resume_memory_time"] > 0 for r in steps if r["step"] != 1)  # the restarted one: not resumed
+    assert not any(k.startswith("memory/") for r in steps for k in r)  # GPU memory: on GPUs only
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [4]
     from buffer.arrow import read_parquet
 
     trained = [g[0].group_index for step in range(4) for g in read_parquet(out / f"dump_{step}.parquet")]
