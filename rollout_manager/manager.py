@@ -5,7 +5,7 @@ runs it in its own process through ``RolloutManagerActor`` (a Ray async actor wi
 methods). Plugins are loaded and the
 prompt file is validated in ``__init__``, so every configuration error surfaces at start-up.
 
-Plugins see ``args`` with slime's attribute names filled in (``slime_compat._args``), and a rollout
+Plugins see ``args`` with slime's attribute names filled in (``plugins.slime_args``), and a rollout
 function may return slime's ``RolloutFnTrainOutput`` / ``RolloutFnEvalOutput`` (their ``metrics``
 join the step's). After each training rollout, samples marked ``remove_sample`` get a zero loss
 mask (slime does this when it converts samples to training data), and the slime log hooks run.
@@ -46,7 +46,7 @@ class RolloutManager:
     """Owns the engines, the router, the prompt data, the rollout function and the rewards."""
 
     def __init__(self, settings: RolloutSettings, args: argparse.Namespace, log_dir: str | None = None):
-        from slime_compat._args import fill_slime_args
+        from plugins.slime_args import fill_slime_args
 
         self.settings = settings
         # the plugins' own args: a copy (the caller's namespace is never written), with slime's

@@ -29,13 +29,8 @@ LAYERS = {
 
 #: Upward edges ``(importing module, imported module) -> why``; each must still exist.
 ALLOWED_UPWARD = {
-    ("plugins.loader", "slime_compat"):
-        "installs the 'slime' import alias before a plugin is imported (slime_compat/__init__ is stdlib only)",
     ("plugins.multiturn_example", "buffer.sample"): "an example plugin: user code, loaded by path, imported by none",
     ("plugins.multiturn_example", "rollout_manager.generate"): "the same example plugin",
-    ("rollout_manager.manager", "slime_compat._args"): "plugins see slime's argument names",
-    ("train_backend.arguments", "slime_compat._args"): "the same view of the arguments, for the train hooks",
-    ("train_backend.hooks", "slime_compat._args"): "the same view of the arguments, for the train hooks",
 }
 
 #: Circles that exist and must go (each listed so that a new one fails, and a fixed one is removed
