@@ -2,8 +2,7 @@
 
 User code, loaded by path as your own plugins are (this directory on ``PYTHONPATH``)::
 
-    PYTHONPATH=examples/multiturn python -m rollout_manager ... \
-        --custom-generate-function-path calculator_tool.generate
+    PYTHONPATH=examples/multiturn python -m rollout_manager ... --custom-generate-function-path calculator_tool.generate
 
 The model may write ``<calc>EXPR</calc>`` (digits, ``+ - *`` and parentheses). Generation stops at
 ``</calc>``; the tool evaluates EXPR and its answer ``<result>VALUE</result>`` is appended as
