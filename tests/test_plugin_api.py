@@ -30,8 +30,10 @@ def test_context_and_step_reach_started_tasks_but_not_a_new_thread():
         step = StepState(rollout_id=3)
         set_context(ctx)
         set_step(step)
-        in_task = await asyncio.ensure_future(asyncio.sleep(0, (current_context(), current_step())))
-        assert in_task == (ctx, step)
+
+        async def read():
+            return current_context(), current_step()
+        assert await asyncio.ensure_future(read()) == (ctx, step)  # a task copies them when it starts
         seen = {}
 
         def thread():  # a thread of the plugin's own starts without them, until it sets them
@@ -96,7 +98,8 @@ def test_shutdown_hooks_run_in_order_sync_and_async_and_a_failing_one_does_not_s
 
 def test_the_plugin_table_defaults_shares_the_eval_function_and_names_each_flag():
     plugins, paths = load_plugins(PluginSettings())
-    assert plugins["generate_fn"] is default_generate and plugins["eval_fn"] is plugins["rollout_fn"] is generate_rollout
+    assert plugins["generate_fn"] is default_generate
+    assert plugins["eval_fn"] is plugins["rollout_fn"] is generate_rollout
     assert plugins["sample_hooks"] == [] and plugins["filter_fn"] is None and plugins["eval_log_fn"] is None
     assert paths == {"--rollout-function-path": "rollout_manager.rollout.generate_rollout",
                      "--eval-function-path": "rollout_manager.rollout.generate_rollout"}
