@@ -5,7 +5,8 @@ returns its attribute ``rm``. Errors name the flag and the path, and are raised 
 (the launcher loads every plugin before any process starts).
 
 Plugins written for slime import ``slime.*``: unless slime is installed, ``slime_compat`` answers
-those imports (its hook is installed here, before the first plugin is imported).
+those imports (the alias of ``plugins/slime_alias.py``, installed here before the first plugin is
+imported).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import importlib
 import inspect
 from typing import Callable
+
+from plugins import slime_alias
 
 
 def load_function(path: str, flag: str, params: list[str] | None = None,
@@ -26,9 +29,7 @@ def load_function(path: str, flag: str, params: list[str] | None = None,
     if not isinstance(path, str) or "." not in path:
         raise ValueError(f"{flag} {path!r}: expected an import path like 'package.module.function'")
     module_name, _, attr = path.rpartition(".")
-    import slime_compat
-
-    slime_compat.install()
+    slime_alias.install()  # plugins written for slime import slime.* (see the module doc)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import-time error is the user's plugin failing to load

@@ -10,8 +10,9 @@ as a Ray actor) to feed the buffer. The modules, in the order data flows through
 - ``engines`` / ``placement`` / ``router``: start, monitor and restart engines (embedded, SGLang,
   or ``embedded_engine.instant``, the benchmark stand-in), locally or in Ray placement groups, behind the
   real sglang-router;
-- ``generate``: the default per-sample generate (token in, token out; retries; partial rollout),
-  and ``current_context()`` for custom generate functions;
+- ``plugin_api``: what plugins reach of the manager (the current context and step, the weight
+  versions a sample's requests saw, default-rollout and shutdown registrations);
+- ``generate``: the default per-sample generate (token in, token out; retries; partial rollout);
 - ``rollout``: the default rollout function (groups, rewards, dynamic-sampling filter,
   over-sampling, aborts);
 - ``rewards``: reward dispatch (built-ins in ``plugins.rewards``, remote, custom);

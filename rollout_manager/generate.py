@@ -8,8 +8,9 @@ log-probs in ``meta_info.output_token_logprobs`` are appended, never re-tokenize
 tagged with the ``meta_info.weight_version`` the engine reported.
 
 The manager's state that a generate function needs (the router client, the concurrency limit,
-pause/stop signals) is reached through ``current_context()`` / ``current_step()``: context
-variables set by the rollout loop, so custom generate functions keep slime's signature.
+pause/stop signals) is reached through ``current_context()`` / ``current_step()`` of the public
+plugin API (``plugin_api.py``): context variables set by the rollout loop, so custom generate
+functions keep slime's signature.
 """
 
 from __future__ import annotations
@@ -19,40 +20,14 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from buffer.sample import Sample, Status, parse_weight_version  # noqa: F401 (re-exported for plugins)
-from rollout_manager.dispatch import Dispatcher
-from sglang_protocol.client import EngineClient, EngineError, batch_rids
-from rollout_manager.rewards import Rewarder, mark_failed
+from rollout_manager.plugin_api import RolloutContext, current_context, current_step
+from rollout_manager.rewards import mark_failed
 from rollout_manager.settings import RolloutSettings
-
-
-@dataclass
-class RolloutStats:
-    """Counters of one rollout step (or evaluation)."""
-
-    requests: int = 0  # /generate calls of the default generate (a group request counts once)
-    retries: int = 0  # /generate calls retried after an engine error
-    aborted_requests: int = 0  # samples whose segment came back aborted (per sample in both granularities)
-    generated_tokens: int = 0
-    dropped_groups: int = 0  # removed by the dynamic sampling filter
-    returned_groups: int = 0  # given back to the data source unfinished
-    failed_groups: int = 0  # every sample failed: not kept (failures say why)
-    failures: Counter = field(default_factory=Counter)  # samples (or, for filters, groups) by reason
-    drop_reasons: Counter = field(default_factory=Counter)  # DynamicFilterOutput.reason of dropped groups
-
-
-@dataclass
-class StepState:
-    """One rollout step in progress: its counters and whether it is winding down."""
-
-    stats: RolloutStats = field(default_factory=RolloutStats)
-    stopping: bool = False
-    inflight: set[str] = field(default_factory=set)  # request ids, for targeted aborts
-    rollout_id: int | None = None  # the step's rollout id (what --rollout-sample-hook-path hooks get)
+from sglang_protocol.client import EngineError, batch_rids
 
 
 class SampleSlots(asyncio.Semaphore):
@@ -120,74 +95,9 @@ class SampleSlots(asyncio.Semaphore):
             self.release()
 
 
-@dataclass
-class RolloutContext:
-    """What generate/rollout functions need from the manager (one per manager, on its loop)."""
-
-    settings: RolloutSettings
-    args: argparse.Namespace
-    client: EngineClient  # the router (custom generate functions use it)
-    dispatcher: Dispatcher  # where the default generate sends each request (router or direct)
-    engine_urls: Callable[[], list[str]]  # current engines, for aborts
-    semaphore: SampleSlots  # in-flight samples across engines (a group request holds one slot per sample)
-    rewarder: Rewarder
-    generate_fn: Callable  # async generate(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]
-    filter_fn: Callable | None  # filter(args, samples) -> bool | DynamicFilterOutput
-    loop: asyncio.AbstractEventLoop
-    running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while paused
-    active_steps: set[int] = field(default_factory=set)  # id()s of StepStates in progress
-    tokenizer: Any = None  # encodes prompts that come without tokens (a --data-source-path class's)
-    sample_filter_fn: Callable | None = None  # --rollout-sample-filter-path: fn(args, kept_groups)
-    all_samples_fn: Callable | None = None  # --rollout-all-samples-process-path: fn(args, groups, get_samples)
-    sample_hooks: list[tuple[str, Callable]] = field(default_factory=list)  # --rollout-sample-hook-path, in order
-    paths: dict[str, str] = field(default_factory=dict)  # flag -> import path, for failure reports
-
 log = logging.getLogger(__name__)
 MAX_IDLE_ABORTS = 50  # engine-side aborts in a row without progress before a sample fails (~3 min)
-_CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reservoir_rollout_context")
-_STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
 _HELD: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("reservoir_slots_held", default=None)
-# weight versions a custom generate's engine answers reported (slime_compat's http_utils.post notes them)
-_SEEN_VERSIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("reservoir_seen_versions", default=None)
-
-
-def note_weight_versions(answer: Any) -> None:
-    """Note the ``meta_info.weight_version`` of a ``/generate`` answer (one, or a batch's list) for
-    the sample being generated: the rollout tags a custom generate's sample with them if the
-    plugin recorded none itself."""
-    seen = _SEEN_VERSIONS.get()
-    if seen is None:
-        return
-    for out in answer if isinstance(answer, list) else [answer]:
-        meta = out.get("meta_info") if isinstance(out, dict) else None
-        if isinstance(meta, dict) and "weight_version" in meta:
-            try:
-                seen.append(parse_weight_version(meta["weight_version"]))
-            except RuntimeError:
-                pass
-
-
-def current_context() -> RolloutContext:
-    """The rollout manager's context (inside generate/rollout functions the manager called)."""
-    try:
-        return _CONTEXT.get()
-    except LookupError:
-        raise RuntimeError("no rollout context: call this from a function the RolloutManager runs") from None
-
-
-def current_step() -> StepState:
-    try:
-        return _STEP.get()
-    except LookupError:
-        raise RuntimeError("no rollout step in progress") from None
-
-
-def set_context(ctx: RolloutContext) -> contextvars.Token:
-    return _CONTEXT.set(ctx)
-
-
-def set_step(step: StepState) -> contextvars.Token:
-    return _STEP.set(step)
 
 
 def sampling_params(settings: RolloutSettings, evaluation: bool = False) -> dict[str, Any]:

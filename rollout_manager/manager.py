@@ -2,10 +2,12 @@
 
 ``RolloutManager`` is an asyncio object (create and use it inside one event loop); the launcher
 runs it in its own process through ``RolloutManagerActor`` (a Ray async actor with the same
-methods). Plugins are loaded and the
-prompt file is validated in ``__init__``, so every configuration error surfaces at start-up.
+methods). Plugins are loaded and the prompt file is validated in ``__init__``, so every
+configuration error surfaces at start-up.
 
-Plugins see ``args`` with slime's attribute names filled in (``slime_compat._args``), and a rollout
+The plugins are loaded from one table (``_PLUGIN_LOADS``: attribute, settings field, slime's
+parameters, sync or async). Plugins see ``args`` with slime's attribute names filled in
+(``plugins.slime_args``); what else they reach of the manager is ``plugin_api``. A rollout
 function may return slime's ``RolloutFnTrainOutput`` / ``RolloutFnEvalOutput`` (their ``metrics``
 join the step's). After each training rollout, samples marked ``remove_sample`` get a zero loss
 mask (slime does this when it converts samples to training data), and the slime log hooks run.
@@ -18,74 +20,113 @@ import asyncio
 import copy
 import inspect
 import logging
-import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from buffer.retry import call_buffer_async
 from buffer.sample import Sample
+from flags import flag_of
 from plugins.loader import load_function
+from plugins.slime_args import fill_slime_args
 from rollout_manager.data_source import DataReport, DataSource, load_prompts
 from rollout_manager.dispatch import Dispatcher
-from sglang_protocol.client import EngineClient
 from rollout_manager.engines import EngineFleet
-from rollout_manager.generate import (RolloutContext, SampleSlots, StepState, generate as default_generate,
-                                      reset_sample, set_context, set_step)
+from rollout_manager.generate import SampleSlots, generate as default_generate, reset_sample
+from rollout_manager.plugin_api import (RolloutContext, StepState, is_default_rollout, run_shutdown_hooks,
+                                        set_context, set_step)
 from rollout_manager.rewards import Rewarder
-from rollout_manager.rollout import (RolloutFailed, _takes_evaluation, abort_requests,
-                                     generate_rollout as default_generate_rollout, run_rollout)
+from rollout_manager.rollout import RolloutFailed, _takes_evaluation, abort_requests, run_rollout
 from rollout_manager.router import Router
-from rollout_manager.settings import RolloutSettings
+from rollout_manager.settings import PluginSettings, RolloutSettings
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
+from sglang_protocol.client import EngineClient
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _PluginLoad:
+    """One plugin the manager loads at start-up, checked against slime's contract for it."""
+
+    attr: str  # the RolloutManager attribute that holds it
+    field: str  # the PluginSettings field with its import path (its flag comes from that declaration)
+    params: tuple[str, ...]  # the positional arguments it is called with (slime's names)
+    is_async: bool | None = None  # must be async def (True), a plain function (False), or either (None)
+    unset: Callable | None = None  # what the attribute holds without a path
+    same_as: str | None = None  # without a path, or with this other field's path: that field's plugin
+
+
+_ROLLOUT_PARAMS = ("args", "rollout_id", "data_source")
+# In the order they are loaded (the first bad one is the error a user sees). A list-valued field (a
+# repeatable flag) gives a list of (path, function), in the order given.
+_PLUGIN_LOADS = (
+    _PluginLoad("rollout_fn", "rollout_function_path", _ROLLOUT_PARAMS),
+    _PluginLoad("eval_fn", "eval_function_path", _ROLLOUT_PARAMS, same_as="rollout_function_path"),
+    _PluginLoad("generate_fn", "custom_generate_function_path", ("args", "sample", "sampling_params"),
+                is_async=True, unset=default_generate),
+    _PluginLoad("filter_fn", "dynamic_sampling_filter_path", ("args", "samples"), is_async=False),
+    _PluginLoad("sample_filter_fn", "rollout_sample_filter_path", ("args", "samples"), is_async=False),
+    # slime's per-sample hooks, after generate and before the reward: sync or async, in order
+    _PluginLoad("sample_hooks", "rollout_sample_hook_path", ("args", "sample")),
+    _PluginLoad("all_samples_fn", "rollout_all_samples_process_path", ("args", "samples", "data_source"),
+                is_async=False),
+    _PluginLoad("rollout_log_fn", "custom_rollout_log_function_path",
+                ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"), is_async=False),
+    _PluginLoad("eval_log_fn", "custom_eval_rollout_log_function_path",
+                ("rollout_id", "args", "data", "extra_metrics"), is_async=False),
+)
+
+
+def load_plugins(p: PluginSettings) -> tuple[dict[str, Any], dict[str, str]]:
+    """The plugins of ``_PLUGIN_LOADS``: ``({attribute: plugin}, {flag: import path})``, the paths
+    for failure reports. Errors are ``plugins.loader``'s, naming the flag and the path."""
+    plugins: dict[str, Any] = {}
+    by_field: dict[str, Any] = {}
+    paths: dict[str, str] = {}
+    for spec in _PLUGIN_LOADS:
+        flag, path = flag_of(PluginSettings, spec.field), getattr(p, spec.field)
+        if isinstance(path, list):
+            value: Any = [(x, load_function(x, flag, params=list(spec.params), is_async=spec.is_async)) for x in path]
+        elif spec.same_as is not None and (not path or path == getattr(p, spec.same_as)):
+            value, path = by_field[spec.same_as], getattr(p, spec.same_as)
+        elif path:
+            value = load_function(path, flag, params=list(spec.params), is_async=spec.is_async)
+        else:
+            value = spec.unset
+        if isinstance(path, str) and path:
+            paths[flag] = path
+        plugins[spec.attr] = by_field[spec.field] = value
+    return plugins, paths
 
 
 class RolloutManager:
     """Owns the engines, the router, the prompt data, the rollout function and the rewards."""
 
-    def __init__(self, settings: RolloutSettings, args: argparse.Namespace, log_dir: str | None = None):
-        from slime_compat._args import fill_slime_args
+    # the plugins (_PLUGIN_LOADS); None where not given, but the generate (the default one) and
+    # the eval function (the rollout function)
+    rollout_fn: Callable
+    eval_fn: Callable
+    generate_fn: Callable
+    filter_fn: Callable | None
+    sample_filter_fn: Callable | None
+    sample_hooks: list[tuple[str, Callable]]
+    all_samples_fn: Callable | None
+    rollout_log_fn: Callable | None
+    eval_log_fn: Callable | None
 
+    def __init__(self, settings: RolloutSettings, args: argparse.Namespace, log_dir: str | None = None):
         self.settings = settings
         # the plugins' own args: a copy (the caller's namespace is never written), with slime's
         # attribute names before any plugin sees it; start() adds the router's address to it
         self.args = fill_slime_args(copy.copy(args), settings)
         p = settings.plugins
-        self.paths = {flag: path for flag, path in (
-            ("--rollout-function-path", p.rollout_function_path),
-            ("--eval-function-path", p.eval_function_path or p.rollout_function_path),
-            ("--custom-generate-function-path", p.custom_generate_function_path),
-            ("--dynamic-sampling-filter-path", p.dynamic_sampling_filter_path),
-            ("--rollout-sample-filter-path", p.rollout_sample_filter_path),
-            ("--rollout-all-samples-process-path", p.rollout_all_samples_process_path),
-            ("--custom-rollout-log-function-path", p.custom_rollout_log_function_path),
-            ("--custom-eval-rollout-log-function-path", p.custom_eval_rollout_log_function_path),
-            ("--data-source-path", p.data_source_path)) if path}
-        rollout_params = ["args", "rollout_id", "data_source"]
-        self.rollout_fn = load_function(p.rollout_function_path, "--rollout-function-path", params=rollout_params)
-        separate_eval = p.eval_function_path and p.eval_function_path != p.rollout_function_path
-        self.eval_fn = (load_function(p.eval_function_path, "--eval-function-path", params=rollout_params)
-                        if separate_eval else self.rollout_fn)
-        self.generate_fn = (load_function(p.custom_generate_function_path, "--custom-generate-function-path",
-                                          params=["args", "sample", "sampling_params"], is_async=True)
-                            if p.custom_generate_function_path else default_generate)
-        self.filter_fn = (load_function(p.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path",
-                                        params=["args", "samples"], is_async=False)
-                          if p.dynamic_sampling_filter_path else None)
-        self.sample_filter_fn = self._hook("--rollout-sample-filter-path", p.rollout_sample_filter_path,
-                                           ["args", "samples"])
-        # slime's per-sample hooks, after generate and before the reward: sync or async, in order
-        self.sample_hooks = [(path, load_function(path, "--rollout-sample-hook-path", params=["args", "sample"]))
-                             for path in p.rollout_sample_hook_path]
-        self.all_samples_fn = self._hook("--rollout-all-samples-process-path", p.rollout_all_samples_process_path,
-                                         ["args", "samples", "data_source"])
-        self.rollout_log_fn = self._hook("--custom-rollout-log-function-path", p.custom_rollout_log_function_path,
-                                         ["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"])
-        self.eval_log_fn = self._hook("--custom-eval-rollout-log-function-path",
-                                      p.custom_eval_rollout_log_function_path,
-                                      ["rollout_id", "args", "data", "extra_metrics"])
+        plugins, self.paths = load_plugins(p)
+        for attr, plugin in plugins.items():
+            setattr(self, attr, plugin)
+        if p.data_source_path:
+            self.paths["--data-source-path"] = p.data_source_path
         self.rewarder = Rewarder(p, args)
         if not settings.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required (its tokenizer encodes the prompts)")
@@ -122,10 +163,6 @@ class RolloutManager:
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
         self._last_rollout_id: int | None = None
-
-    @staticmethod
-    def _hook(flag: str, path: str | None, params: list[str]) -> Callable | None:
-        return load_function(path, flag, params=params, is_async=False) if path else None
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -201,9 +238,7 @@ class RolloutManager:
         if self._client is not None:
             await self._client.close()
             await self._dispatcher.close()
-        http_utils = sys.modules.get("slime_compat.utils.http_utils")
-        if http_utils is not None:  # a plugin used slime's post(): its client lives on this loop
-            await http_utils.close_http_clients()
+        await run_shutdown_hooks()  # plugins' on_shutdown hooks (slime's post() closes its client here)
         self.ctx = None
 
     # --- generation ----------------------------------------------------------------------
@@ -212,7 +247,7 @@ class RolloutManager:
         """Run a rollout function: (groups or slime's eval data dict, step state, seconds, its metrics)."""
         ctx = self._need_started()
         set_context(ctx)
-        if fn is default_generate_rollout or getattr(fn, "_reservoir_default", False):
+        if is_default_rollout(fn):
             groups, step, seconds = await run_rollout(ctx, rollout_id, data_source, evaluation, on_group)
             return groups, step, seconds, _drop_metrics(step, "eval" if evaluation else "rollout")
         step = StepState(rollout_id=rollout_id)  # the default generate's counters, if the function uses it
@@ -281,7 +316,7 @@ class RolloutManager:
     async def evaluate(self, rollout_id: int, on_group: Callable | None = None) -> dict[str, float]:
         """One pass over ``--eval-prompt-data`` (or whatever ``--eval-function-path`` evaluates):
         ``eval/accuracy`` (mean reward) and friends; slime's eval data also gives ``eval/<name>``."""
-        if self.eval_records is None and self._is_default(self.eval_fn):
+        if self.eval_records is None and is_default_rollout(self.eval_fn):
             raise RuntimeError("evaluate() needs --eval-prompt-data")
         source = (DataSource(self.eval_records, self.settings.sampling.n_samples_per_eval_prompt, num_epoch=1)
                   if self.eval_records is not None else self.data_source)
@@ -302,10 +337,6 @@ class RolloutManager:
                               slime_data, extra or None):
                 metrics = {}
         return metrics
-
-    @staticmethod
-    def _is_default(fn: Callable) -> bool:
-        return fn is default_generate_rollout or getattr(fn, "_reservoir_default", False)
 
     async def push(self, rollout_id: int, buffer_handle: Any) -> dict[str, float]:
         """Generate one step and put it into the buffer (its back-pressure makes this wait)."""

@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 from buffer.sample import Sample, Status, check_sample
 from sglang_protocol.client import EngineClient, EngineError, new_session
-from rollout_manager.generate import (_SEEN_VERSIONS, _STEP, MAX_IDLE_ABORTS, RolloutContext, StepState,
-                                      current_context, generate, generate_group, reset_sample, sampling_params,
-                                      set_context, set_step)
+from rollout_manager.generate import MAX_IDLE_ABORTS, generate, generate_group, reset_sample, sampling_params
+from rollout_manager.plugin_api import (RolloutContext, StepState, current_context, current_step,
+                                        recording_weight_versions, register_default_rollout, set_context, set_step)
 from rollout_manager.plugin_calls import PluginTimeout, call_plugin
 from rollout_manager.rewards import mark_failed
 
@@ -142,28 +142,25 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, params: dict,
         sample.session_id = uuid.uuid4().hex  # slime's generate_and_rm_group gives each sample one
     aborts = 0
     while True:
-        seen: list[int] = []
-        token = _SEEN_VERSIONS.set(seen)
-        try:
-            if custom:
-                kwargs = {"evaluation": evaluation} if _takes_evaluation(fn) else {}
-                async with ctx.semaphore:  # slime holds its semaphore around the whole custom call
-                    out = await call_plugin(fn, ctx.args, sample, dict(params), **kwargs,
-                                            what=f"--custom-generate-function-path {path}",
-                                            timeout=ctx.settings.plugins.custom_generate_timeout)
-            else:
-                out = await fn(ctx.args, sample, dict(params))
-            outs = _as_samples(out)
-            fanout = isinstance(out, list)
-            for x in outs:
-                _finish_generated(x, sample, seen, fanout)
-        except Exception as e:  # a custom generate's bug fails this sample only; logged and counted
-            _fail_generated(sample, e, "--custom-generate-function-path" if custom else "generate", path,
-                            reason="generate: timeout" if isinstance(e, PluginTimeout) else None)
-            return [sample], False
-        finally:
-            _SEEN_VERSIONS.reset(token)
-        step = _STEP.get(None)
+        with recording_weight_versions() as seen:  # what the plugin's own requests saw (plugin_api)
+            try:
+                if custom:
+                    kwargs = {"evaluation": evaluation} if _takes_evaluation(fn) else {}
+                    async with ctx.semaphore:  # slime holds its semaphore around the whole custom call
+                        out = await call_plugin(fn, ctx.args, sample, dict(params), **kwargs,
+                                                what=f"--custom-generate-function-path {path}",
+                                                timeout=ctx.settings.plugins.custom_generate_timeout)
+                else:
+                    out = await fn(ctx.args, sample, dict(params))
+                outs = _as_samples(out)
+                fanout = isinstance(out, list)
+                for x in outs:
+                    _finish_generated(x, sample, seen, fanout)
+            except Exception as e:  # a custom generate's bug fails this sample only; logged and counted
+                _fail_generated(sample, e, "--custom-generate-function-path" if custom else "generate", path,
+                                reason="generate: timeout" if isinstance(e, PluginTimeout) else None)
+                return [sample], False
+        step = current_step(None)
         if custom and any(x.status == Status.ABORTED for x in outs) and not (step is not None and step.stopping):
             aborts += 1
             if aborts > MAX_IDLE_ABORTS:
@@ -189,7 +186,7 @@ async def _apply_sample_hooks(ctx: RolloutContext, sample: Sample, evaluation: b
     ``--filter-timeout`` or returns something else fails that sample, counted."""
     if not ctx.sample_hooks or sample.status not in _SCORABLE:
         return sample
-    step = _STEP.get(None)
+    step = current_step(None)
     offered = {"rollout_id": step.rollout_id if step is not None else None, "evaluation": evaluation}
     for path, hook in ctx.sample_hooks:
         try:
@@ -499,6 +496,7 @@ async def _wind_down(ctx: RolloutContext, step: StepState, pending: set[asyncio.
     pending.clear()
 
 
+@register_default_rollout  # named by --rollout-function-path, the manager awaits run_rollout instead
 def generate_rollout(args: argparse.Namespace, rollout_id: int, data_source: Any,
                      evaluation: bool = False) -> list[list[Sample]]:
     """slime's rollout-function signature around ``run_rollout`` (call it from a worker thread)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from buffer.sample import Sample, Status
 from metric_keys import EVAL_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_REWARD_MEAN, ROLLOUT_TOKENS_PER_S
-from rollout_manager.generate import RolloutStats
+from rollout_manager.plugin_api import RolloutStats
 
 
 def _value(reward: Any, key: str | None) -> float | None:

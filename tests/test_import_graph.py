@@ -1,6 +1,8 @@
-"""The import graph of our packages, read with ``ast`` (nothing is imported): no circles, and each
-package imports only the layers below it, except the upward edges listed (and justified) here and in
-docs/architecture.md ("Layers and import rules").
+"""The import graph of our packages, read with ``ast`` (nothing is imported): no circles between
+modules nor between packages, each package imports only the layers below it, except the upward
+edges listed (and justified) here and in docs/architecture.md ("Layers and import rules"), and no
+package imports a private name (``_x``) of another: what crosses a package line is public API
+(slime_compat reaches the rollout manager through ``rollout_manager.plugin_api``).
 
 An import inside ``if TYPE_CHECKING:`` is not an edge (it never runs); an import inside a function
 is one (it runs when the function does, and a circle through it still breaks a partial import).
@@ -25,18 +27,13 @@ LAYERS = {
     "rollout_manager": 2,
     "train_backend": 3,  # its trainer group owns the WeightSender (weight_sync)
     "slime_compat": 4,  # slime's import paths, answered with everything below
+    "examples": 5,  # user code (plugins loaded by path): imports anything, imported by none
 }
 
-#: Upward edges ``(importing module, imported module) -> why``; each must still exist.
-ALLOWED_UPWARD = {
-    ("plugins.loader", "slime_compat"):
-        "installs the 'slime' import alias before a plugin is imported (slime_compat/__init__ is stdlib only)",
-    ("plugins.multiturn_example", "buffer.sample"): "an example plugin: user code, loaded by path, imported by none",
-    ("plugins.multiturn_example", "rollout_manager.generate"): "the same example plugin",
-    ("rollout_manager.manager", "slime_compat._args"): "plugins see slime's argument names",
-    ("train_backend.arguments", "slime_compat._args"): "the same view of the arguments, for the train hooks",
-    ("train_backend.hooks", "slime_compat._args"): "the same view of the arguments, for the train hooks",
-}
+#: Upward edges ``(importing module, imported module) -> why``; each must still exist. None left:
+#: what lower packages took from slime_compat (the ``slime`` alias, slime's ``args`` names) lives in
+#: plugins/, and the example plugin in examples/.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 #: Circles that exist and must go (each listed so that a new one fails, and a fixed one is removed
 #: from here). None left.
@@ -161,6 +158,46 @@ def test_packages_import_only_lower_layers_or_the_listed_upward_edges():
     assert not stale, f"ALLOWED_UPWARD entries no longer in the code (remove them): {stale}"
 
 
+def package_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``package -> the other packages its modules import``."""
+    out: dict[str, set[str]] = {}
+    for src, targets in edges.items():
+        a = src.split(".")[0]
+        out.setdefault(a, set()).update(b for b in (t.split(".")[0] for t in targets) if b != a)
+    return out
+
+
+def test_no_circle_between_packages():
+    found = circles(package_edges(_graph()))
+    assert not found, f"packages that import each other (through any of their modules): {[sorted(c) for c in found]}"
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """``module: name`` for every import (function-local ones too) of a private name or module
+    (``_x``, not ``__x__``) of another package of ours."""
+    bad = []
+    for name, path in modules.items():
+        pkg = name.split(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                dotted = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                dotted = [a.name for a in node.names]
+            else:
+                continue
+            for d in dotted:
+                parts = d.split(".")
+                if parts[0] in LAYERS and parts[0] != pkg and any(
+                        x.startswith("_") and not x.startswith("__") for x in parts[1:]):
+                    bad.append(f"{name}: {d}")
+    return bad
+
+
+def test_no_package_imports_a_private_name_of_another():
+    bad = private_imports(module_files(ROOT, LAYERS))
+    assert not bad, f"private names imported across packages (make them public API, or keep them home): {bad}"
+
+
 def test_the_walker_finds_a_circle_through_a_function_import_and_skips_type_checking(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -172,3 +209,14 @@ def test_the_walker_finds_a_circle_through_a_function_import_and_skips_type_chec
     edges = import_edges(module_files(tmp_path, ["pkg"]))
     assert edges["pkg.b"] == {"pkg.a"} and edges["pkg.c"] == set() and edges["pkg.d"] == {"pkg.c"}
     assert circles(edges) == [{"pkg.a", "pkg.b"}]
+    pkg_edges = package_edges({"a.x": {"b.y"}, "b.y": set(), "b.z": {"a.w"}, "a.w": set()})
+    assert pkg_edges == {"a": {"b"}, "b": {"a"}} and circles(pkg_edges) == [{"a", "b"}]
+
+
+def test_private_names_across_packages_are_found(tmp_path):
+    for pkg, body in (("flags", "def _hidden(): pass\n"), ("buffer", "from flags import _hidden\n"),
+                      ("plugins", "def f():\n    from flags._impl import x\n")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(body)
+    found = private_imports(module_files(tmp_path, ["flags", "buffer", "plugins"]))
+    assert sorted(found) == ["buffer: flags._hidden", "plugins: flags._impl.x"]

@@ -14,8 +14,8 @@ from _fixtures_rollout import make_args
 
 from buffer.sample import Sample, Status
 from sglang_protocol.client import EngineClient, EngineError, batch_rids
-from rollout_manager.generate import (RolloutContext, SampleSlots, StepState, generate, generate_group, set_context,
-                                      set_step, split_requests)
+from rollout_manager.generate import SampleSlots, generate, generate_group, split_requests
+from rollout_manager.plugin_api import RolloutContext, StepState, set_context, set_step
 
 PROMPT = [1, 2, 3]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}

@@ -1,14 +1,21 @@
-"""The worked tool-use example: model tokens trainable, tool tokens masked, log-probs aligned."""
+"""The worked tool-use example (examples/multiturn/calculator_tool.py): model tokens trainable, tool
+tokens masked, log-probs aligned. Loaded by path from its directory, as a user's own plugin is."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 from _fixtures_rollout import running_manager, toy_argv
 from transformers import AutoTokenizer
 
 from buffer.sample import Status, check_sample
-from plugins.multiturn_example import MAX_TOOL_CALLS, calculator
+
+EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "multiturn"
+if str(EXAMPLE_DIR) not in sys.path:  # what PYTHONPATH=examples/multiturn does for a run
+    sys.path.insert(0, str(EXAMPLE_DIR))
+from calculator_tool import MAX_TOOL_CALLS, calculator  # noqa: E402
 
 
 def test_calculator_is_safe():
@@ -25,7 +32,7 @@ def test_tool_calls_are_masked_from_the_loss(toy_model_dir):
     async def go():
         argv = toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "1",
                         "--engine-extra-args", f"--output-ids {','.join(map(str, call_ids))}",
-                        "--custom-generate-function-path", "plugins.multiturn_example.generate",
+                        "--custom-generate-function-path", "calculator_tool.generate",
                         "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", "--rollout-max-response-len", "400")
         async with running_manager(argv) as m:
             return await m.generate(0)

@@ -118,17 +118,25 @@ def test_sample_has_slimes_api_and_round_trips_through_arrow():
 
 def test_args_prompt_and_a_slime_multiturn_generate_under_the_concurrency_limit(toy_model_dir):
     """search-r1/retool style: GenerateState, post(), append_response_tokens, tool tokens masked,
-    args.rollout_max_context_len / sglang_dp_size, the templated prompt; 8 samples on a limit of 1."""
+    args.rollout_max_context_len / sglang_dp_size, the templated prompt; 8 samples on a limit of 1.
+    slime's generate_rollout named as the rollout function is the manager's own default rollout
+    (registered through the plugin API: progress per group), and post()'s client closes at shutdown."""
     tool_generate = _fixture("tool_generate")
+    from slime_compat.utils import http_utils
 
     argv = _argv(toy_model_dir, "--engine-extra-args", "--num-tokens 3 --delay 0.02", "--sglang-server-concurrency",
                  "1", "--custom-generate-function-path", "slime_fixtures.tool_generate.generate",
                  "--custom-rm-path", "slime_fixtures.tool_generate.reward_func", "--reward-key", "score",
-                 "--rollout-max-context-len", "64")
+                 "--rollout-max-context-len", "64",
+                 "--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout")
+    progress = []
 
     async def body(m):
-        return (await m.generate(0)), m.args
-    (groups, metrics), args = _run(argv, body)
+        out = await m.generate(0, on_group=lambda group, kept: progress.append(kept))
+        return out, m.args, id(asyncio.get_running_loop()), id(asyncio.get_running_loop()) in http_utils._clients
+    (groups, metrics), args, loop_id, had_client = _run(argv, body)
+    assert progress.count(True) == 4  # only the manager's own rollout reports each group
+    assert had_client and loop_id not in http_utils._clients  # the on_shutdown hook closed post()'s client
     assert tool_generate.SEEN["max_inflight"] == 1  # slime's generate_and_rm holds the limit around the call
     assert args.rollout_max_prompt_len == 63 and args.over_sampling_batch_size == 4 and args.eval_reward_key == "score"
     tool = len(tool_generate.TOOL_TEXT)  # the toy tokenizer is one token per character

@@ -44,7 +44,7 @@ def plugin_namespace(args: argparse.Namespace) -> dict:
     ranks) plus the ``--custom-config-path`` YAML's attributes (start-up errors name the file)."""
     import pickle
 
-    from slime_compat._args import custom_config
+    from plugins.slime_args import custom_config
 
     out = {}
     for name, value in vars(args).items():

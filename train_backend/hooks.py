@@ -102,7 +102,7 @@ LogProbsFn = Callable[[str, list], "list[list[float]] | None"]
 def plugin_args(settings: TrainSettings) -> argparse.Namespace:
     """``args`` as trainer-side plugins see it: the launcher's namespace (``settings.plugin_args``)
     or, without one, the settings' fields; plus slime's names for what they mean here."""
-    from slime_compat._args import fill_trainer_args
+    from plugins.slime_args import fill_trainer_args
 
     values = dict(settings.plugin_args) if settings.plugin_args is not None else dataclasses.asdict(settings)
     return fill_trainer_args(argparse.Namespace(**values), settings)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from buffer.sample import Sample, Status
+from rollout_manager.plugin_api import current_context, current_step, register_default_rollout
 from slime_compat.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 
 __all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout", "abort",
@@ -35,17 +36,11 @@ log = logging.getLogger(__name__)
 _STATES: dict[int, "GenerateState"] = {}
 
 
-def _ctx() -> Any:
-    from rollout_manager.generate import current_context
-
-    return current_context()
-
-
 class GenerateState:
     """The generation state slime keeps per process; here one per rollout manager (see module doc)."""
 
     def __new__(cls, args: Any = None) -> "GenerateState":
-        ctx = _ctx()
+        ctx = current_context()
         state = _STATES.get(id(ctx))
         if state is None or state._ctx is not ctx:
             state = super().__new__(cls)
@@ -75,9 +70,7 @@ class GenerateState:
     @property
     def aborted(self) -> bool:
         """True once ``abort`` ran or the current rollout step winds down (stop generating)."""
-        from rollout_manager.generate import _STEP
-
-        step = _STEP.get(None)
+        step = current_step(None)
         return self._aborted or (step is not None and step.stopping)
 
     @aborted.setter
@@ -116,7 +109,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 
     if sample.status not in (Status.PENDING, Status.ABORTED):
         raise AssertionError(f"Sample status is {sample.status}")
-    ensure_prompt_tokens(_ctx(), sample)
+    ensure_prompt_tokens(current_context(), sample)
     if sample.loss_mask is None:
         sample.loss_mask = [1] * sample.response_length
     sample.status = Status.PENDING
@@ -128,7 +121,7 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, 
     """Generate ``sample`` with the run's generate function, then score it (unless ``--group-rm``)."""
     from rollout_manager.rollout import generate_sample
 
-    ctx = _ctx()
+    ctx = current_context()
     if sample.status in (Status.COMPLETED, Status.TRUNCATED):
         return sample
     if GenerateState(args).aborted:
@@ -144,7 +137,7 @@ async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params:
     entry is its list of samples, as in slime."""
     import uuid
 
-    ctx = _ctx()
+    ctx = current_context()
     state = GenerateState(args)
     if state.aborted:
         return group
@@ -168,7 +161,7 @@ async def abort(args: Any, rollout_id: int) -> list[list[Sample]]:
     ``--partial-rollout`` the unfinished groups are returned (to give back to the data source)."""
     from rollout_manager.rollout import abort_requests
 
-    ctx = _ctx()
+    ctx = current_context()
     state = GenerateState(args)
     state.aborted = True
     e = ctx.settings.engines
@@ -196,6 +189,8 @@ def get_model_url(args: Any, model_name: str, endpoint: str = "/generate") -> st
     return f"http://{args.sglang_router_ip}:{args.sglang_router_port}{endpoint}"
 
 
+# named by --rollout-function-path, the manager runs its own default rollout (no worker thread, progress per group)
+@register_default_rollout
 def generate_rollout(args: Any, rollout_id: int, data_source: Any,
                      evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """Reservoir's default rollout with slime's return types (call it from a worker thread)."""
@@ -211,7 +206,3 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any,
         "rewards": [(s.reward[key] if key and isinstance(s.reward, dict) else s.reward) for s in samples],
         "truncated": [s.status == Status.TRUNCATED for s in samples],
         "samples": samples}})
-
-
-# the manager runs this one as its own default rollout (no worker thread, progress per group)
-generate_rollout._reservoir_default = True  # type: ignore[attr-defined]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Coroutine
 
+from rollout_manager.plugin_api import current_context, current_step, set_context, set_step
+
 
 def run(coro: Coroutine) -> Any:
-    from rollout_manager.generate import _CONTEXT, _STEP, set_context, set_step
-
-    ctx, step = _CONTEXT.get(None), _STEP.get(None)
+    ctx, step = current_context(None), current_step(None)
     if ctx is None:
         return asyncio.run(coro)
     try:

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from rollout_manager.plugin_api import current_context, note_weight_versions, on_shutdown
+
 log = logging.getLogger(__name__)
 _clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (a client is bound to its loop)
 
@@ -35,22 +37,17 @@ def _client() -> httpx.AsyncClient:
     return c
 
 
+@on_shutdown
 async def close_http_clients() -> None:
-    """Close this loop's client (the rollout manager calls this at shutdown)."""
+    """Close this loop's client (a rollout manager's shutdown runs it, on its loop)."""
     c = _clients.pop(id(asyncio.get_running_loop()), None)
     if c is not None:
         await c.aclose()
 
 
-def _context() -> Any:
-    from rollout_manager.generate import _CONTEXT
-
-    return _CONTEXT.get(None)
-
-
 def _engine_request(url: str) -> tuple[dict[str, str], float | None]:
     """Headers and timeout for ``url``: the API key and request timeout when it is our router or engine."""
-    ctx = _context()
+    ctx = current_context(None)
     if ctx is None:
         return {}, None
     bases = [ctx.client.base_url, *ctx.engine_urls()]
@@ -68,8 +65,6 @@ def _retryable(e: Exception) -> bool:
 
 async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
     """POST ``payload`` as JSON to ``url``; the decoded JSON answer (or its text). See the module doc."""
-    from rollout_manager.generate import note_weight_versions
-
     extra, timeout = _engine_request(url)
     attempt = 0
     while True:
@@ -102,7 +97,7 @@ async def get(url: str) -> Any:
 
 def get_rollout_num_engines(args: Any) -> int:
     """How many engines serve the rollout (the running fleet's, inside a rollout)."""
-    ctx = _context()
+    ctx = current_context(None)
     if ctx is not None:
         return len(ctx.engine_urls())
     if getattr(args, "rollout_num_engines", None) is not None:

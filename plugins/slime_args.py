@@ -14,7 +14,11 @@ the value it means in slime for this run (never overwriting a flag Reservoir par
   ``multimodal_keys`` None, ``ci_test`` False...).
 
 The rollout manager calls it once, before loading the plugins; ``sglang_router_ip/port`` and
-``rollout_num_engines`` are set when the engines are up.
+``rollout_num_engines`` are set when the engines are up. ``fill_trainer_args`` is the trainer side's
+view (``train_backend/hooks.py``), ``custom_config`` the ``--custom-config-path`` YAML both sides read.
+
+It lives in ``plugins/`` (and imports nothing of ours) because the rollout manager and the trainer
+both call it, and both sit above this package.
 """
 
 from __future__ import annotations

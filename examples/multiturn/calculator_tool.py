@@ -1,6 +1,8 @@
 """A worked multi-turn / tool-use example: a calculator tool, as a custom generate function.
 
-    --custom-generate-function-path plugins.multiturn_example.generate
+User code, loaded by path as your own plugins are (this directory on ``PYTHONPATH``)::
+
+    PYTHONPATH=examples/multiturn python -m rollout_manager ... --custom-generate-function-path calculator_tool.generate
 
 The model may write ``<calc>EXPR</calc>`` (digits, ``+ - *`` and parentheses). Generation stops at
 ``</calc>``; the tool evaluates EXPR and its answer ``<result>VALUE</result>`` is appended as
@@ -12,7 +14,8 @@ What it shows (the contract of any custom generate, slime's signature):
   the tool's text is tokenized (it is not model output);
 - ``loss_mask`` is 1 on model tokens and 0 on tool tokens (the loss never trains on what the
   environment wrote); tool tokens get log-prob 0.0 so ``rollout_log_probs`` stays aligned;
-- the router, the concurrency limit and the settings come from ``current_context()``.
+- the router, the concurrency limit and the settings come from ``current_context()`` of the
+  public plugin API (``rollout_manager/plugin_api.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import functools
 import operator
 from typing import Any
 
-from buffer.sample import Sample, Status
-from rollout_manager.generate import current_context, parse_weight_version
+from buffer.sample import Sample, Status, parse_weight_version
+from rollout_manager.plugin_api import current_context
 
 MAX_TOOL_CALLS = 4
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"

@@ -1,0 +1,260 @@
+"""The public plugin API: what a plugin may reach of the rollout manager, besides its arguments.
+
+Plugins are plain functions loaded by import path with slime's signatures (``plugins.loader``);
+this module is for the few things such a signature cannot carry. Inside any function the rollout
+manager calls (a rollout function, a custom generate, a reward, a hook, and the tasks and coroutines
+they start):
+
+- ``current_context()``: the manager's ``RolloutContext``: the router client (``client``), the
+  in-flight limit (``semaphore``), the run's typed ``settings``, the plugins' ``args``, the
+  ``tokenizer``, the manager's event ``loop``;
+- ``current_step()``: the ``StepState`` of the rollout step in progress (its ``rollout_id``, its
+  counters, ``stopping`` once the step winds down and a plugin should stop generating);
+- ``note_weight_versions(answer)``: a custom generate that calls the engines with a client of its
+  own hands their ``/generate`` answers here, so its samples get tagged with the policy versions
+  that produced them when it records none itself (``seen_weight_versions()`` reads them back).
+
+At import time (a plugin module's top level), two registrations:
+
+- ``register_default_rollout(fn)``: ``fn`` is only a wrapper of Reservoir's default rollout (slime's
+  ``generate_rollout`` is one): when a rollout flag names it, the manager runs its default rollout;
+- ``on_shutdown(fn)``: ``fn()`` (sync or async) runs when a rollout manager shuts down, on its loop
+  (to close clients a plugin opened on that loop).
+
+Context variables carry the context and step, so they reach the tasks a plugin starts, but not a
+thread of its own or a coroutine handed to another loop (``asyncio.run_coroutine_threadsafe``): read
+both there with ``current_context()`` / ``current_step(None)`` first, and set them on the other side
+with ``set_context`` / ``set_step`` (``slime.utils.async_utils.run`` does exactly that).
+
+Example, a custom generate that posts to the router itself::
+
+    from rollout_manager.plugin_api import current_context, note_weight_versions
+
+    async def generate(args, sample, sampling_params):
+        ctx = current_context()
+        answer = await ctx.client.generate(input_ids=sample.tokens, sampling_params=sampling_params,
+                                           return_logprob=True)
+        note_weight_versions(answer)
+        ...
+
+This module imports nothing of the manager at run time (the types below are annotations), so every
+module of the manager, and ``slime_compat``, builds on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+from buffer.sample import parse_weight_version
+
+if TYPE_CHECKING:
+    from rollout_manager.dispatch import Dispatcher
+    from rollout_manager.generate import SampleSlots
+    from rollout_manager.rewards import Rewarder
+    from rollout_manager.settings import RolloutSettings
+    from sglang_protocol.client import EngineClient
+
+__all__ = ["RolloutContext", "RolloutStats", "StepState", "current_context", "current_step", "set_context",
+           "set_step", "note_weight_versions", "seen_weight_versions", "recording_weight_versions",
+           "register_default_rollout", "is_default_rollout", "on_shutdown", "run_shutdown_hooks"]
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# --- what a plugin sees --------------------------------------------------------------------------
+@dataclass
+class RolloutStats:
+    """Counters of one rollout step (or evaluation); they become its ``rollout/...`` metrics."""
+
+    requests: int = 0  # /generate calls of the default generate (a group request counts once)
+    retries: int = 0  # /generate calls retried after an engine error
+    aborted_requests: int = 0  # samples whose segment came back aborted (per sample in both granularities)
+    generated_tokens: int = 0
+    dropped_groups: int = 0  # removed by the dynamic sampling filter
+    returned_groups: int = 0  # given back to the data source unfinished
+    failed_groups: int = 0  # every sample failed: not kept (failures say why)
+    failures: Counter = field(default_factory=Counter)  # samples (or, for filters, groups) by reason
+    drop_reasons: Counter = field(default_factory=Counter)  # DynamicFilterOutput.reason of dropped groups
+
+
+@dataclass
+class StepState:
+    """One rollout step in progress: its counters and whether it is winding down.
+
+    A plugin reads ``rollout_id`` and ``stopping`` (True once the step has its batch and aborts what
+    still runs: a plugin's own generation loop should stop then)."""
+
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    stopping: bool = False
+    inflight: set[str] = field(default_factory=set)  # request ids, for targeted aborts
+    rollout_id: int | None = None  # the step's rollout id (what --rollout-sample-hook-path hooks get)
+
+
+@dataclass
+class RolloutContext:
+    """What generate and rollout functions need from the manager (one per manager, on its loop).
+
+    For plugins: ``settings``, ``args``, ``client``, ``semaphore``, ``tokenizer``, ``loop`` and
+    ``engine_urls()``, to read and use, never to replace. The other fields are the manager's own
+    (its default rollout runs on them)."""
+
+    settings: RolloutSettings  # the run's typed rollout settings
+    args: argparse.Namespace  # what plugins get as args (slime's names filled in)
+    client: EngineClient  # the router: custom generate functions send their requests here
+    dispatcher: Dispatcher  # where the default generate sends each request (router or direct)
+    engine_urls: Callable[[], list[str]]  # the current engines, for aborts
+    semaphore: SampleSlots  # in-flight samples across engines (held around each custom generate call)
+    rewarder: Rewarder
+    generate_fn: Callable  # async generate(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]
+    filter_fn: Callable | None  # filter(args, samples) -> bool | DynamicFilterOutput
+    loop: asyncio.AbstractEventLoop  # the manager's event loop (the client and semaphore belong to it)
+    running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while paused
+    active_steps: set[int] = field(default_factory=set)  # id()s of StepStates in progress
+    tokenizer: Any = None  # --hf-checkpoint's; encodes prompts that come without tokens
+    sample_filter_fn: Callable | None = None  # --rollout-sample-filter-path: fn(args, kept_groups)
+    all_samples_fn: Callable | None = None  # --rollout-all-samples-process-path: fn(args, groups, get_samples)
+    sample_hooks: list[tuple[str, Callable]] = field(default_factory=list)  # --rollout-sample-hook-path, in order
+    paths: dict[str, str] = field(default_factory=dict)  # flag -> import path, for failure reports
+
+
+# --- the current context and step ----------------------------------------------------------------
+_MISSING: Any = object()
+_CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reservoir_rollout_context")
+_STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
+
+
+def current_context(default: Any = _MISSING) -> RolloutContext:
+    """The rollout manager's context, inside a function the manager runs (and the tasks it starts).
+
+    Outside one, ``default`` when given (``current_context(None)`` asks "am I inside a rollout?"),
+    else ``RuntimeError``."""
+    ctx = _CONTEXT.get(default)
+    if ctx is _MISSING:
+        raise RuntimeError("no rollout context: call this from a function the RolloutManager runs")
+    return ctx
+
+
+def current_step(default: Any = _MISSING) -> StepState:
+    """The rollout step in progress (see ``StepState``); outside one, ``default`` when given, else
+    ``RuntimeError``. A rollout function's step exists for its whole call, a custom generate's for
+    the step that called it."""
+    step = _STEP.get(default)
+    if step is _MISSING:
+        raise RuntimeError("no rollout step in progress")
+    return step
+
+
+def set_context(ctx: RolloutContext) -> contextvars.Token:
+    """Make ``ctx`` the current context of this task or thread (and the tasks it starts from now on).
+
+    The manager sets it before it calls a plugin; a plugin sets it on a thread or event loop of its
+    own, with the context it read inside the rollout. Returns the token for ``ContextVar.reset``."""
+    return _CONTEXT.set(ctx)
+
+
+def set_step(step: StepState) -> contextvars.Token:
+    """Make ``step`` the current rollout step of this task or thread (as ``set_context``)."""
+    return _STEP.set(step)
+
+
+# --- the weight versions a sample's requests saw -------------------------------------------------
+_SEEN_VERSIONS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("reservoir_seen_versions",
+                                                                                  default=None)
+
+
+def note_weight_versions(answer: Any) -> None:
+    """Note the ``meta_info.weight_version`` of a ``/generate`` answer (one answer, or a batch's
+    list) for the sample being generated. After a custom generate returns, a sample of it that
+    recorded no ``weight_versions`` itself is tagged with the versions noted during the call.
+    Outside a generate call, and for answers without a version, it does nothing."""
+    seen = _SEEN_VERSIONS.get()
+    if seen is None:
+        return
+    for out in answer if isinstance(answer, list) else [answer]:
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if isinstance(meta, dict) and "weight_version" in meta:
+            try:
+                seen.append(parse_weight_version(meta["weight_version"]))
+            except RuntimeError:
+                pass  # not a version: the sample is not tagged with it
+
+
+def seen_weight_versions() -> list[int]:
+    """The weight versions noted so far for the sample being generated, in order (a copy; empty
+    outside a generate call)."""
+    return list(_SEEN_VERSIONS.get() or ())
+
+
+@contextlib.contextmanager
+def recording_weight_versions() -> Iterator[list[int]]:
+    """Collect the versions ``note_weight_versions`` notes inside the block (the manager wraps each
+    custom generate call in one); yields the list they are appended to."""
+    seen: list[int] = []
+    token = _SEEN_VERSIONS.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN_VERSIONS.reset(token)
+
+
+# --- registrations -------------------------------------------------------------------------------
+_lock = threading.Lock()
+_default_rollouts: list[Callable] = []
+_shutdown_hooks: list[Callable[[], Any]] = []
+
+
+def register_default_rollout(fn: F) -> F:
+    """Declare the rollout function ``fn`` a wrapper of Reservoir's default rollout; returns ``fn``
+    (so it works as a decorator).
+
+    When ``--rollout-function-path`` or ``--eval-function-path`` names a registered function, the
+    manager does not call it: it runs its default rollout itself, on its event loop (progress per
+    group, the step's filter and failure metrics), which is what the wrapper would do from a worker
+    thread. Anyone else calling ``fn`` still gets ``fn``. Register at the plugin module's top level,
+    so the registration exists once the loader has imported the module."""
+    with _lock:
+        if not any(f is fn for f in _default_rollouts):
+            _default_rollouts.append(fn)
+    return fn
+
+
+def is_default_rollout(fn: Callable) -> bool:
+    """Whether ``fn`` was registered with ``register_default_rollout`` (the manager's own
+    ``rollout_manager.rollout.generate_rollout`` is)."""
+    with _lock:
+        return any(f is fn for f in _default_rollouts)
+
+
+def on_shutdown(fn: F) -> F:
+    """Run ``fn()`` (a plain or an async function, no arguments) whenever a rollout manager shuts
+    down, on the manager's event loop, after its engines and router have stopped; returns ``fn`` (a
+    decorator). For what a plugin opened on that loop (an HTTP client). Registering the same
+    function again does nothing; a hook that raises is logged and the others still run."""
+    with _lock:
+        if not any(f is fn for f in _shutdown_hooks):
+            _shutdown_hooks.append(fn)
+    return fn
+
+
+async def run_shutdown_hooks() -> None:
+    """Run the ``on_shutdown`` hooks in the order they were registered (the manager's shutdown)."""
+    with _lock:
+        hooks = list(_shutdown_hooks)
+    for fn in hooks:
+        try:
+            out = fn()
+            if inspect.isawaitable(out):
+                await out
+        except Exception:  # noqa: BLE001 - one plugin's cleanup must not skip the others'
+            log.exception("shutdown hook %s.%s failed", getattr(fn, "__module__", "?"),
+                          getattr(fn, "__qualname__", repr(fn)))
