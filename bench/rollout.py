@@ -267,6 +267,7 @@ async def part_b(model: Path, engines: int, batch: int, n: int, max_len: int, re
             **{f"{p}_runs_s": v for p, v in times.items()},
             "response_len_mean": statistics.mean(tokens), "prompt_len_mean": statistics.mean(prompt_lens),
             "samples": batch * n, **{f"requests_{p}": statistics.median(v) for p, v in requests.items()},
+            "last_prompts": prompts, "sampling_params": params,  # for an offline run of the same work
             **{f"cpu_ms_{k}": 1e3 * statistics.median(v) for k, v in cpu.items()}}
 
 

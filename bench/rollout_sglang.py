@@ -9,7 +9,9 @@ prompts with its chat template. Each repeat runs, rotated, the manager (group re
 default, and per-sample requests: router, rewards, grouping) and the same requests straight to
 the server (per sample, and one batch request per group), the same number in flight
 (``--inflight``), greedy, so every path generates the same tokens. ``ratio`` = direct time /
-manager time (medians, group requests), target 0.95. Writes ``bench/results/rollout_sglang.json``.
+manager time (medians, group requests), target 0.95. Then SGLang's own offline throughput
+(``sglang.Engine``, every request at once, no HTTP) on the same prompts and sampling parameters:
+``manager_over_offline_tokens_s``. Writes ``bench/results/rollout_sglang.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--inflight", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rollout_sglang.json"))
+    ap.add_argument("--no-offline", dest="offline", action="store_false",
+                    help="skip SGLang's own offline throughput (sglang.Engine) on the same prompts")
     a = ap.parse_args(argv)
     import torch
     from transformers import LlamaConfig
@@ -69,6 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
                                        engine_urls=[f"http://127.0.0.1:{port}"], per_engine=a.inflight))
     finally:
         stop_sglang(proc)
+    prompts, params = r.pop("last_prompts"), r.pop("sampling_params")
+    offline = offline_throughput(model, [p for p in prompts for _ in range(a.n)], params, a.repeats) \
+        if a.offline else None
     ratio = r["direct_s"] / r["manager_group_s"]
     tokens_s = {p: a.batch * a.n * r["response_len_mean"] / r[f"{p}_s"] for p in rollout.B_PATHS}
     result = {"name": "rollout_sglang", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -79,7 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
                           "ratio_sample": r["direct_s"] / r["manager_sample_s"],
                           "ratio_vs_batch": r["direct_batch_s"] / r["manager_group_s"],
                           "ratio_paired": statistics.median(x / y for x, y in zip(r["direct_runs_s"],
-                                                                                   r["manager_group_runs_s"]))},
+                                                                                   r["manager_group_runs_s"])),
+                          "offline": offline,
+                          "manager_over_offline_tokens_s": (tokens_s["manager_group"] / offline["tokens_per_s"]
+                                                            if offline else None)},
               "ratio": ratio, "target": 0.95}
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     for p in rollout.B_PATHS:
@@ -87,6 +97,34 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ratio direct/manager {ratio:.3f} (target 0.95); response length {r['response_len_mean']:.1f}; "
           f"wrote {a.out}")
     return result
+
+
+def offline_throughput(model: Path, prompts: list[list[int]], params: dict, repeats: int) -> dict:
+    """SGLang's own best on the same work: ``sglang.Engine`` (no HTTP, no router, every request at
+    once) on the last step's prompts, each ``n`` times, the manager's sampling parameters; generated
+    tokens per second, the median of ``repeats`` after a warm-up call."""
+    import time
+
+    import sglang
+
+    from _fixtures_sglang import BUNDLE_FLAGS
+
+    flags = dict(zip(BUNDLE_FLAGS[::2], BUNDLE_FLAGS[1::2]))
+    engine = sglang.Engine(model_path=str(model), load_format="dummy", dtype="bfloat16", mem_fraction_static=0.5,
+                           **{k.lstrip("-").replace("-", "_"): v for k, v in flags.items()})
+    try:
+        engine.generate(input_ids=prompts[:8], sampling_params=params)
+        runs, tokens = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = engine.generate(input_ids=prompts, sampling_params=params)
+            runs.append(time.perf_counter() - t)
+            tokens.append(sum(o["meta_info"]["completion_tokens"] for o in out))
+    finally:
+        engine.shutdown()
+    s = statistics.median(runs)
+    return {"s": s, "runs_s": runs, "tokens": statistics.median(tokens), "tokens_per_s": statistics.median(tokens) / s,
+            "requests": len(prompts)}
 
 
 if __name__ == "__main__":
