@@ -1,8 +1,8 @@
 """The metric keys that the plots draw, and the plots: one declaration for both.
 
 Each key a plot draws is a :class:`Metric` constant here, and the part that logs the value uses
-the same constant (``rollout_manager/summary.py``, ``train_backend/losses.py`` and the backends,
-``train_backend/batching.py``, the driver ``scripts/components.py``), so a renamed metric renames
+the same constant (``rollout_manager/summary.py``, ``train_backend/losses.py`` and
+``train_backend/step.py``, the driver ``scripts/components.py``), so a renamed metric renames
 the plot's line with it. ``scripts/metrics_log.py`` draws :data:`PLOTS` from ``metrics.jsonl``;
 ``tests/test_e2e_train.py`` checks that the main job writes every plot README lists.
 
@@ -52,7 +52,7 @@ ROLLOUT_RESPONSE_LEN_MEAN = Metric("rollout/response_len_mean", "rollout: mean r
 ROLLOUT_TOKENS_PER_S = Metric("rollout/tokens_per_s", "rollout: generated tokens / rollout wall time")
 EVAL_ACCURACY = Metric("eval/accuracy", "eval: mean reward on --eval-prompt-data")
 
-# --- train_backend (losses.py's stats, the backends' step metrics, batching.py) ----------------------
+# --- train_backend (losses.py's stats, step.py's step metrics) -------------------------------------
 TRAIN_REWARD_MEAN = Metric("train/reward_mean", "train: mean reward of the trained batch")
 TRAIN_KL = Metric("train/kl", "train: KL to the reference model (with one)")
 TRAIN_PPO_KL = Metric("train/ppo_kl", "train: old policy -> policy (k1)")

@@ -1,6 +1,7 @@
 """The Megatron backend trains exactly like the torch backend (same batches, same settings) with
-TP=2, PP=2 and DP=2 + distributed optimizer; save/load restarts exactly; export_hf writes a
-checkpoint transformers loads."""
+TP=2, PP=2 and DP=2 + distributed optimizer; both run one train step (train_backend/step.py), so
+their metrics have the same keys and values, slime's TIS and reducer plugins included; save/load
+restarts exactly; export_hf writes a checkpoint transformers loads."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from tests._fixtures_megatron import make_groups, run_layouts, run_megatron, spa
 pytest.importorskip("megatron.core")
 
 STEPS = 2
+TIMINGS = ("train/tokens_per_s", "train/step_time_s")
+# slime's --custom-tis-function-path and --custom-pg-loss-reducer-function-path (tests/slime_fixtures)
+PLUGINS = {"custom_tis_function_path": "slime_fixtures.train_hooks.tis",
+           "custom_pg_loss_reducer_function_path": "slime_fixtures.train_hooks.dr_grpo_reducer"}
 COMPARED = ("train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/grad_norm", "train/ppo_kl",
             "train/tis_weight", "train/train_rollout_kl", "train/num_samples", "train/optimizer_steps")
 
@@ -39,6 +44,31 @@ def reference(toy: str) -> dict[str, Any]:
             "logprobs": tb.compute_log_probs([s for g in make_groups(99) for s in g])}
 
 
+@pytest.fixture(scope="module")
+def plugin_kw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The settings of the runs with the plugins (their ``args.hook_log``: where the TIS one writes)."""
+    log = tmp_path_factory.mktemp("megatron_plugins") / "hooks.jsonl"
+    return {**PLUGINS, "plugin_args": {"hook_log": str(log)}}
+
+
+@pytest.fixture(scope="module")
+def plugin_reference(toy: str, plugin_kw: dict[str, Any]) -> list[dict[str, float]]:
+    from train_backend.torch_backend import TorchBackend
+
+    tb = TorchBackend(train_settings(toy, **plugin_kw))
+    return [tb.train_step(make_groups(step), step) for step in range(STEPS)]
+
+
+def _assert_same_metrics(ref: list[dict[str, float]], got: list[dict[str, float]], what: str) -> None:
+    """Key by key: the same keys, every value within the tolerance of the weights' comparison
+    (the timings aside)."""
+    assert len(got) == len(ref) == STEPS
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert sorted(b) == sorted(a), f"{what} step {step}: keys differ: {sorted(set(a) ^ set(b))}"
+        for k in sorted(set(a) - set(TIMINGS)):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), f"{what} step {step}: {k} {b[k]} != {a[k]}"
+
+
 def _assert_matches(ref: dict[str, Any], got: dict[str, Any], what: str, tol: float = 2e-5) -> None:
     for step, (a, b) in enumerate(zip(ref["metrics"], got["metrics"])):
         for k in COMPARED:
@@ -59,13 +89,15 @@ LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_par
 
 
 @pytest.fixture(scope="module")
-def runs(toy: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every layout on 2 gloo ranks in one job; DP=2 also saves/reloads and exports."""
+def runs(toy: str, plugin_kw: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every layout on 2 gloo ranks in one job; DP=2 also saves/reloads and exports; then DP=2
+    with the plugins (``"plugins"``)."""
     tmp = tmp_path_factory.mktemp("megatron_runs")
     jobs = [{"megatron_kw": kw, "steps": STEPS} for kw in LAYOUTS.values()]
     jobs[-1].update(save_dir=str(tmp / "ckpt"), export_dir=str(tmp / "hf"))
+    jobs.append({"megatron_kw": {}, "steps": STEPS, "settings_kw": plugin_kw})
     got = spawn(run_layouts, 2, (toy, jobs), tmp / "ranks")[0]
-    out = dict(zip(LAYOUTS, got))
+    out = dict(zip([*LAYOUTS, "plugins"], got))
     out["dp2_distopt"]["export_dir"] = str(tmp / "hf")
     return out
 
@@ -73,6 +105,20 @@ def runs(toy: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_torch_backend(reference: dict[str, Any], runs: dict[str, dict[str, Any]], layout: str) -> None:
     _assert_matches(reference, runs[layout], layout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_metrics_match_torch_backend_key_by_key(reference: dict[str, Any], runs: dict[str, dict[str, Any]],
+                                                layout: str) -> None:
+    _assert_same_metrics(reference["metrics"], runs[layout]["metrics"], layout)
+
+
+def test_plugin_metrics_match_torch_backend_key_by_key(plugin_reference: list[dict[str, float]],
+                                                       runs: dict[str, dict[str, Any]]) -> None:
+    """A custom TIS function's own metric is logged by both (and the built-in TIS metrics by
+    neither: the plugin replaced them)."""
+    _assert_same_metrics(plugin_reference, runs["plugins"]["metrics"], "plugins")
+    assert all("train/custom_tis" in m and "train/tis_weight" not in m for m in plugin_reference)
 
 
 def test_weights_moved(toy: str, runs: dict[str, dict[str, Any]]) -> None:

@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
-from metric_keys import TRAIN_REWARD_MEAN
-from train_backend.losses import LossDenominators, compute_advantages, masked_whiten
+from train_backend.losses import LossDenominators, compute_advantages, whiten_advantages
 
 if TYPE_CHECKING:
     from train_backend.hooks import LogProbsFn, TrainHooks
@@ -97,30 +96,13 @@ def prepare_batch(groups: list[list[Sample]], estimator: str, reward_key: str | 
     return RolloutBatch(samples, advantages, sum(len(g) for g in groups), skipped, reward_mean)
 
 
-def whiten_advantages(samples: list[Sample], advantages: list) -> list:
-    """``--normalize-advantages``: whiten the advantages over all loss tokens (a sample weighs as
-    much as its loss tokens, as slime whitens token-level advantages). Per-sample floats stay
-    per-sample; per-token lists (a custom advantage function's) are whitened token by token."""
-    if advantages and isinstance(advantages[0], list):
-        flat = torch.tensor([a for adv in advantages for a in adv], dtype=torch.float64)  # [T]
-        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float64)  # [T]
-        white = masked_whiten(flat, mask)  # [T]
-        return [t.tolist() for t in torch.split(white, [s.response_length for s in samples])]
-    counts = torch.tensor([sum(s.loss_mask) for s in samples])  # [B]
-    per_token = torch.tensor(advantages, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
-    white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
-    return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
-
-
 @dataclass
 class TrainStepStart:
-    """What both backends' ``train_step`` start from: the prepared batch, the metrics every step
-    reports (also when nothing is trainable), the advantages (whitened with
-    ``--normalize-advantages``), and the optimizer steps (sample index ranges) with the loss
-    denominators of each."""
+    """What a train step (:mod:`train_backend.step`) starts from: the prepared batch, the
+    advantages (whitened with ``--normalize-advantages``), and the optimizer steps (sample index
+    ranges) with the loss denominators of each; no steps when nothing is trainable."""
 
     batch: RolloutBatch
-    metrics: dict[str, float]
     advantages: list[float]
     steps: list[range]
     denominators: list[LossDenominators]
@@ -128,16 +110,12 @@ class TrainStepStart:
 
 def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int | None,
                      hooks: "TrainHooks | None" = None, log_probs: "LogProbsFn | None" = None) -> TrainStepStart:
-    """The head of ``train_step`` shared by both backends (``settings`` is a ``TrainSettings``).
+    """The head of a train step, before any micro-batch (``settings`` is a ``TrainSettings``).
     With ``hooks`` that read the rollout data (:attr:`TrainHooks.needs_rollout_data`), ``log_probs``
     gives them the policy's and the reference's log-probs (collective)."""
     batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len, hooks)
-    metrics: dict[str, float] = {"train/rollout_id": float(step), TRAIN_REWARD_MEAN.key: batch.reward_mean,
-                                 "train/num_samples": float(len(batch.samples))}
-    metrics.update({f"train/skipped_{k}": float(v) for k, v in batch.skipped.items()})
     if not batch.samples:
-        metrics["train/skipped_step"] = 1.0
-        return TrainStepStart(batch, metrics, [], [], [])
+        return TrainStepStart(batch, [], [], [])
     adv = batch.advantages
     if settings.normalize_advantages:
         adv = whiten_advantages(batch.samples, adv)
@@ -149,7 +127,7 @@ def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_s
     steps = split_steps(len(batch.samples), batch.num_input_samples, settings.global_batch_size)
     denominators = [LossDenominators(float(sum(sum(batch.samples[i].loss_mask) for i in r)), float(len(r)),
                                      norm_length) for r in steps]
-    return TrainStepStart(batch, metrics, adv, steps, denominators)
+    return TrainStepStart(batch, adv, steps, denominators)
 
 
 def split_steps(num_trainable: int, num_input_samples: int, global_batch_size: int | None) -> list[range]:

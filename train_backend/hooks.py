@@ -70,6 +70,7 @@ import torch
 from torch import Tensor
 
 from buffer.sample import Status
+from train_backend.losses import ImportanceFn, LossDenominators, ReducerFn, whiten_advantages
 from train_backend.settings import TrainSettings
 
 _SIGNATURES: dict[str, list[str] | None] = {
@@ -205,8 +206,6 @@ class TrainHooks:
         ``--normalize-advantages``). Returns the advantages, per token; a sample whose loss mask
         the post-process changed is replaced in ``samples`` by a copy with it. Collective: ``log_probs``
         runs forward passes on every rank."""
-        from train_backend.batching import whiten_advantages
-
         data = self._rollout_data(samples, values, log_probs)
         if self.advantage is not None:
             adv = self._call_advantage(data, samples)
@@ -256,6 +255,50 @@ class TrainHooks:
         self.advantage(self.args, data)
         return _per_token(data.get("advantages"), samples, "--custom-advantage-function-path", "advantages",
                           torch.float64)
+
+    # --- inside the loss of a micro-batch ----------------------------------------------------
+    def importance(self, total_lengths: list[int]) -> ImportanceFn | None:
+        """``--custom-tis-function-path`` as :func:`~train_backend.losses.rl_loss` takes it, for a
+        micro-batch whose sequences have ``total_lengths`` (prompt + response); None without one."""
+        if self.tis is None:
+            return None
+        tis, args = self.tis, self.args
+
+        def weigh(pg: Tensor, old_logp: Tensor, rollout_logp: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int
+                  ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+            # slime's tis_func(**kwargs) -> (pg_loss, loss_masks, metrics), on per-sample lists
+            lengths = torch.bincount(seq_ids, minlength=num_seqs).tolist()
+            out = tis(args=args, pg_loss=pg, train_log_probs=list(torch.split(old_logp.detach(), lengths)),
+                      rollout_log_probs=list(torch.split(rollout_logp, lengths)),
+                      loss_masks=list(torch.split(m, lengths)), total_lengths=total_lengths, response_lengths=lengths)
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise ValueError("--custom-tis-function-path: must return (pg_loss, loss_masks, metrics)")
+            new_pg, masks, metrics = out
+            if not isinstance(new_pg, Tensor) or new_pg.shape != pg.shape:
+                raise ValueError(f"--custom-tis-function-path: pg_loss must be a tensor of shape {tuple(pg.shape)}")
+            mask = torch.cat([torch.as_tensor(x, dtype=m.dtype, device=m.device) for x in masks]) if masks else m
+            if mask.shape != m.shape:
+                raise ValueError(f"--custom-tis-function-path: loss_masks hold {mask.numel()} tokens, expected "
+                                 f"{m.numel()}")
+            return new_pg, mask * m, {k: torch.as_tensor(v, device=m.device).detach().to(m.dtype)
+                                      for k, v in dict(metrics).items()}
+        return weigh
+
+    def reducer(self, loss_agg: str, denom: LossDenominators, total_lengths: list[int]) -> ReducerFn | None:
+        """``--custom-pg-loss-reducer-function-path`` as :func:`~train_backend.losses.rl_loss` takes
+        it (None without one). slime's reducer works in its micro-batch convention (a sum over
+        samples, or over tokens with per-token loss) that its Megatron scaling divides by the step's
+        samples (tokens); the same division here makes the micro-batch losses sum to the step's."""
+        if self.pg_loss_reducer is None:
+            return None
+        make = self.pg_loss_reducer
+        per_token = loss_agg == "token_mean"
+
+        def reduce(pg: Tensor, pg_mask: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
+            lengths = torch.bincount(seq_ids, minlength=num_seqs).tolist()
+            fn = make(total_lengths, lengths, list(torch.split(pg_mask, lengths)), per_token)
+            return fn(pg) / max(denom.num_tokens if per_token else denom.num_seqs, 1.0)
+        return reduce
 
     def custom_loss(self, resp_logits: Tensor, packed: Any, reducer: Callable[[Tensor], Tensor],
                     old_logp: Tensor | None, ref_logp: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:

@@ -13,6 +13,7 @@ full batch, however it was split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,23 @@ from train_backend.settings import TrainSettings
 from train_backend.settings import TrainSettings as _T  # the defaults of LossConfig
 
 if TYPE_CHECKING:
-    from train_backend.hooks import TrainHooks
+    from buffer.sample import Sample
+
+# The stats of rl_loss by how a step reduces them: means over the step (over its loss tokens, or
+# its samples under seq_mean_token_mean), averaged over optimizer steps; and raw sums over
+# ROLLOUT_TOKENS tokens, divided by their sum over the rollout batch.
+STEP_MEAN_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
+                   "tis_clipfrac")
+ROLLOUT_SUM_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
+ROLLOUT_TOKENS = "_rollout_tokens"
+
+# An importance-sampling correction of the per-token policy loss (--use-tis): (pg [N], old_logp
+# [N], rollout_logp [N], mask [N], seq_ids [N], num_seqs) -> (pg [N] corrected, the mask of the
+# tokens the numerators sum [N], per-token stats [N] each, reduced like the loss-token metrics).
+ImportanceFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], "tuple[Tensor, Tensor, dict[str, Tensor]]"]
+# The policy-gradient loss of a micro-batch from (pg [N], the numerators' mask [N], seq_ids [N],
+# num_seqs), already divided by the step's denominators (micro-batch losses sum to the step's).
+ReducerFn = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 
 
 # --- log-probs --------------------------------------------------------------------------------
@@ -117,6 +134,21 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (values - mean) * torch.rsqrt(var + eps) * m  # [N]
 
 
+def whiten_advantages(samples: "list[Sample]", advantages: list) -> list:
+    """``--normalize-advantages``: whiten the advantages over all loss tokens (a sample weighs as
+    much as its loss tokens, as slime whitens token-level advantages). Per-sample floats stay
+    per-sample; per-token lists (a custom advantage function's) are whitened token by token."""
+    if advantages and isinstance(advantages[0], list):
+        flat = torch.tensor([a for adv in advantages for a in adv], dtype=torch.float64)  # [T]
+        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float64)  # [T]
+        white = masked_whiten(flat, mask)  # [T]
+        return [t.tolist() for t in torch.split(white, [s.response_length for s in samples])]
+    counts = torch.tensor([sum(s.loss_mask) for s in samples])  # [B]
+    per_token = torch.tensor(advantages, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
+    white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
+    return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
+
+
 # --- per-token losses -------------------------------------------------------------------------
 def segment_sum(values: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
     """Sum ``values [N]`` per sequence: ``[S]``."""
@@ -176,6 +208,14 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     """Truncated importance weight ``min(exp(old_logp - rollout_logp), cap)`` per token, no grad:
     corrects for the engine sampling from slightly different probabilities than the trainer's."""
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # [N]; an overflow to inf caps too
+
+
+def truncated_is(pg: Tensor, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, seq_ids: Tensor, num_seqs: int,
+                 cap: float) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The built-in :data:`ImportanceFn` (``cap`` bound): ``pg`` times :func:`tis_weights`, every
+    loss token kept; stats ``tis_weight`` and ``tis_clipfrac`` (the capped tokens)."""
+    w = tis_weights(old_logp, rollout_logp, cap)  # [N]
+    return pg * w, mask, {"tis_weight": w, "tis_clipfrac": (w >= cap).to(mask.dtype)}
 
 
 # --- aggregation ------------------------------------------------------------------------------
@@ -269,8 +309,8 @@ class LossConfig:
 def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Tensor, advantages: Tensor,
             loss_mask: Tensor, seq_ids: Tensor, num_seqs: int, entropy: Tensor | None = None,
             ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
-            rollout_mask: Tensor | None = None, hooks: "TrainHooks | None" = None,
-            total_lengths: list[int] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+            rollout_mask: Tensor | None = None, importance: ImportanceFn | None = None,
+            reducer: ReducerFn | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one micro-batch, scaled so that summing it over the step's micro-batches gives
     the step's loss: ``agg(pg * tis) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
@@ -279,14 +319,15 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     every stat sums over micro-batches and data-parallel ranks: ``loss``/``pg_loss`` and the
     per-token metrics (``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``tis_weight``,
     ``tis_clipfrac``) are already divided by the step's denominators, while
-    ``train_rollout_logp_abs_diff`` and ``train_rollout_kl`` are raw sums over ``_rollout_tokens``
+    ``train_rollout_logp_abs_diff`` and ``train_rollout_kl`` are raw sums over ``ROLLOUT_TOKENS``
     tokens (the caller divides). The per-token metrics are means over the step's loss tokens,
     except under ``seq_mean_token_mean``: there they are means over its samples of each sample's
     token mean, as slime reports them (its ``sum_of_sample_mean`` unless per-token loss).
 
-    ``hooks``: slime's ``--custom-tis-function-path`` and ``--custom-pg-loss-reducer-function-path``
-    (:mod:`train_backend.hooks`); ``total_lengths`` (per sequence, prompt + response) is what
-    they are told.
+    ``importance``: the TIS correction under ``--use-tis`` (default :func:`truncated_is` with
+    ``--tis-clip``); ``reducer``: the policy-gradient loss's reduction (default :func:`aggregate`
+    with ``--loss-agg``). slime's ``--custom-tis-function-path`` and
+    ``--custom-pg-loss-reducer-function-path`` come in as these (:mod:`train_backend.hooks`).
     """
     m = loss_mask.to(logp.dtype)  # [N]
     metric_agg = "seq_mean_token_mean" if cfg.loss_agg == "seq_mean_token_mean" else "token_mean"
@@ -305,17 +346,13 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     if cfg.use_tis:
         if not has_rollout or bool((rollout_mask[m > 0] == 0).any()):
             raise ValueError("--use-tis needs rollout_log_probs on every trained sample")
-        if hooks is not None and hooks.tis is not None:
-            pg, pg_mask, tis_stats = _custom_tis(hooks, pg, old_logp, rollout_logp, m, seq_ids, num_seqs,
-                                                 total_lengths)
-            stats.update({k: metric(v.to(m.dtype)) for k, v in tis_stats.items()})
+        if importance is None:
+            pg, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs, cfg.tis_cap)
         else:
-            w = tis_weights(old_logp, rollout_logp, cfg.tis_cap)  # [N]
-            pg = pg * w  # [N]
-            stats["tis_weight"] = metric(w)
-            stats["tis_clipfrac"] = metric((w >= cfg.tis_cap).to(m.dtype))
-    if hooks is not None and hooks.pg_loss_reducer is not None:
-        pg_loss = _custom_reduce(hooks, cfg, denom, pg, pg_mask, seq_ids, num_seqs, total_lengths)
+            pg, pg_mask, tis_stats = importance(pg, old_logp, rollout_logp, m, seq_ids, num_seqs)
+        stats.update({k: metric(v) for k, v in tis_stats.items()})
+    if reducer is not None:
+        pg_loss = reducer(pg, pg_mask, seq_ids, num_seqs)
     else:
         pg_loss = aggregate(pg, m, cfg.loss_agg, seq_ids, num_seqs, denom, num_mask=pg_mask)
     loss = pg_loss
@@ -337,39 +374,7 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
         diff = (old_logp - rollout_logp).detach()  # [N]
         stats[TRAIN_ROLLOUT_LOGP_ABS_DIFF.name] = (diff.abs() * rm).sum()
         stats[TRAIN_ROLLOUT_KL.name] = (kl_penalty(rollout_logp, old_logp.detach(), "k3") * rm).sum()
-        stats["_rollout_tokens"] = rm.sum()
+        stats[ROLLOUT_TOKENS] = rm.sum()
     stats["loss"] = loss.detach()
     return loss, stats
 
-
-def _lengths(seq_ids: Tensor, num_seqs: int) -> list[int]:
-    return torch.bincount(seq_ids, minlength=num_seqs).tolist()
-
-
-def _custom_tis(hooks: "TrainHooks", pg: Tensor, old_logp: Tensor, rollout_logp: Tensor, m: Tensor, seq_ids: Tensor,
-                num_seqs: int, total_lengths: list[int] | None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """slime's ``tis_func(**kwargs) -> (pg_loss, loss_masks, metrics)`` on per-sample lists."""
-    lengths = _lengths(seq_ids, num_seqs)
-    out = hooks.tis(args=hooks.args, pg_loss=pg, train_log_probs=list(torch.split(old_logp.detach(), lengths)),
-                    rollout_log_probs=list(torch.split(rollout_logp, lengths)),
-                    loss_masks=list(torch.split(m, lengths)), total_lengths=total_lengths, response_lengths=lengths)
-    if not (isinstance(out, tuple) and len(out) == 3):
-        raise ValueError("--custom-tis-function-path: must return (pg_loss, loss_masks, metrics)")
-    new_pg, masks, metrics = out
-    if not isinstance(new_pg, Tensor) or new_pg.shape != pg.shape:
-        raise ValueError(f"--custom-tis-function-path: pg_loss must be a tensor of shape {tuple(pg.shape)}")
-    mask = torch.cat([torch.as_tensor(x, dtype=m.dtype, device=m.device) for x in masks]) if masks else m
-    if mask.shape != m.shape:
-        raise ValueError(f"--custom-tis-function-path: loss_masks hold {mask.numel()} tokens, expected {m.numel()}")
-    return new_pg, mask * m, {k: torch.as_tensor(v, device=m.device).detach() for k, v in dict(metrics).items()}
-
-
-def _custom_reduce(hooks: "TrainHooks", cfg: LossConfig, denom: LossDenominators, pg: Tensor, pg_mask: Tensor,
-                   seq_ids: Tensor, num_seqs: int, total_lengths: list[int] | None) -> Tensor:
-    """slime's reducer works in its micro-batch convention (a sum over samples, or over tokens
-    with per-token loss) that its Megatron scaling divides by the step's samples (tokens); the
-    same division puts it into this module's convention (micro-batch losses sum to the step's)."""
-    lengths = _lengths(seq_ids, num_seqs)
-    per_token = cfg.loss_agg == "token_mean"
-    reducer = hooks.pg_loss_reducer(total_lengths, lengths, list(torch.split(pg_mask, lengths)), per_token)
-    return reducer(pg) / max(denom.num_tokens if per_token else denom.num_seqs, 1.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import time
 from typing import Any, Iterator
 
 import torch
@@ -20,22 +19,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from buffer.sample import Sample
-from metric_keys import TRAIN_KL, TRAIN_PPO_KL, TRAIN_ROLLOUT_KL, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_TOKENS_PER_S
 from train_backend import torch_checkpoint
-from train_backend.batching import (PackedMicroBatch, RolloutBatch, balance, begin_train_step, pack,
-                                    plan_micro_batches)
+from train_backend.batching import PackedMicroBatch, pack, plan_micro_batches
 from train_backend.hooks import TrainHooks
 from train_backend.settings import TrainSettings
-from train_backend.losses import (LossConfig, aggregate, count_samples_without_loss_tokens, log_probs_from_logits,
-                                  rl_loss)
+from train_backend.losses import LossConfig, log_probs_from_logits
 from train_backend.schedule import lr_factor
-
-# Stats of rl_loss that are means over the step (over its loss tokens, or its samples under
-# seq_mean_token_mean), averaged over optimizer steps.
-_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
-               "tis_clipfrac")
-# Raw sums over the rollout batch, normalized by the rollout-token count.
-_ROLLOUT_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
+from train_backend.step import MicroBatchLoss, run_train_step
 
 
 class TorchBackend:
@@ -169,114 +159,63 @@ class TorchBackend:
                 self.ref_model.to("cpu")
 
     @torch.no_grad()
-    def _ref_log_probs(self, mbs: list[PackedMicroBatch]) -> list[Tensor]:
-        with self._ref_on_device() as ref:
-            return [self._log_probs(ref, mb, False)[0] for mb in mbs]
+    def forward_log_probs(self, model: torch.nn.Module, mbs: list[PackedMicroBatch]) -> list[Tensor | None]:
+        """No-grad log-probs ``[N]`` of each micro-batch (the reference model moved to the device for it)."""
+        with self._ref_on_device() if model is self.ref_model else contextlib.nullcontext():
+            return [self._log_probs(model, mb, False)[0] for mb in mbs]
 
-    # --- training -----------------------------------------------------------------------------
-    def _receive(self, groups: list[list[Sample]] | None) -> list[list[Sample]]:
-        """Rank 0's groups, on every rank."""
-        if not self.distributed:
-            if groups is None:
-                raise ValueError("train_step: groups is None")
-            return groups
-        box = [groups if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            raise ValueError("train_step: rank 0 passed groups=None")
-        return box[0]
+    # --- training: what run_train_step (train_backend/step.py) calls ----------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.rank  # every rank is a data-parallel replica (FSDP2 shards parameters, not data)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    reports_stats = True  # every rank computes the loss of its own samples
+
+    def train_step(self, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
+        """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
+        return run_train_step(self, groups, step)
 
     def _pack(self, samples: list[Sample], advantages: list[float] | None = None) -> PackedMicroBatch:
         row_len = None if self.one_row else max(len(x.tokens) for x in samples)
         return pack(samples, advantages, row_len=row_len, pad_id=self.config.pad_token_id or 0).to(self.device)
 
-    def _rank_micro_batches(self, batch: RolloutBatch, idx: list[int], adv: list[float]) -> list[PackedMicroBatch]:
-        """This rank's share of the samples ``idx``, packed; every rank gets the same number of
-        micro-batches (FSDP's collectives run per forward), padded with zero-weight repeats."""
-        lengths = [len(batch.samples[i].tokens) for i in idx]
-        share = [idx[j] for j in balance(lengths, self.world_size)[self.rank]]
-        plan = plan_micro_batches([len(batch.samples[i].tokens) for i in share],
-                                  self.settings.max_tokens_per_micro_batch)
-        mbs = [self._pack([batch.samples[share[j]] for j in b], [adv[share[j]] for j in b]) for b in plan]
+    def micro_batches(self, samples: list[Sample], advantages: list, filler: Sample) -> list[PackedMicroBatch]:
+        """``samples`` packed; every rank gets the same number of micro-batches (FSDP's
+        collectives run per forward), padded with zero-weight ones of ``filler``."""
+        plan = plan_micro_batches([len(x.tokens) for x in samples], self.settings.max_tokens_per_micro_batch)
+        mbs = [self._pack([samples[j] for j in b], [advantages[j] for j in b]) for b in plan]
         n = len(mbs)
         if self.distributed:
             t = torch.tensor([n], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n = int(t.item())
         while len(mbs) < n:  # a dummy with an all-zero loss mask: runs the collectives, adds nothing
-            dummy = self._pack([batch.samples[idx[0]]], [0.0])
+            dummy = self._pack([filler], [0.0])
             dummy.loss_mask.zero_()
             dummy.rollout_mask.zero_()
             dummy.num_tokens = 0
             mbs.append(dummy)
         return mbs
 
-    def train_step(self, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
-        """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
-        t0 = time.perf_counter()
-        s = self.settings
-        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len, self.hooks, self._plugin_log_probs)
-        batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
-        if not batch.samples:
-            return metrics
-        plans = [self._rank_micro_batches(batch, list(r), adv) for r in steps]
-        # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
-        denominators = count_samples_without_loss_tokens(
-            start.denominators, batch.skipped["empty_response"] + batch.skipped["zero_loss_mask"])
-        # old_logp: the policy before this rollout's updates. With a single optimizer step the
-        # policy does not change before each micro-batch's forward, so that forward's detached
-        # log-probs are exactly the old ones and the extra pass is skipped.
-        old: list[list[Tensor]] | None = None
-        self.hooks.call_before_log_prob([self.model], "")
-        if len(steps) > 1:
-            with torch.no_grad():
-                old = [[self._log_probs(self.model, mb, False)[0] for mb in mbs] for mbs in plans]
-        if self.ref_model is not None:
-            self.hooks.call_before_log_prob([self.ref_model], "ref_")
-        ref = [self._ref_log_probs(mbs) for mbs in plans] if self.ref_model is not None else None
+    def packed(self, mb: PackedMicroBatch) -> PackedMicroBatch:
+        return mb
 
-        sums: dict[str, Tensor] = {}
-        grad_norms, lrs, tokens = [], [], 0
-        for k, (mbs, denom) in enumerate(zip(plans, denominators)):
-            self.hooks.call_before_train_step(step, k, [self.model], self.optimizer, self.scheduler)
-            lrs.append(self.optimizer.param_groups[0]["lr"])
-            for j, mb in enumerate(mbs):
-                ref_logp = None if ref is None else ref[k][j]
-                if self.hooks.loss is not None:
-                    loss, stats = self._custom_loss(mb, denom, None if old is None else old[k][j], ref_logp)
-                else:
-                    logp, entropy = self._log_probs(self.model, mb, True, entropy_grad=s.entropy_coef != 0)
-                    old_logp = logp.detach() if old is None else old[k][j]
-                    loss, stats = rl_loss(self.loss_cfg, denom, logp, old_logp, mb.advantages, mb.loss_mask,
-                                          mb.seq_ids, mb.num_seqs, entropy=entropy, ref_logp=ref_logp,
-                                          rollout_logp=mb.rollout_logp, rollout_mask=mb.rollout_mask,
-                                          hooks=self.hooks, total_lengths=mb.total_lengths)
-                # FSDP averages gradients over ranks; the loss is already a sum over the whole
-                # step's tokens, so scale back up to get the sum.
-                (loss * self.world_size).backward()
-                step_loss = loss.detach() if j == 0 else step_loss + loss.detach()
-                for name, v in stats.items():
-                    sums[name] = sums.get(name, torch.zeros((), device=self.device)) + v.detach().float()
-                tokens += mb.num_tokens  # zero-weight fillers count 0
-            # checked once per optimizer step (a check per micro-batch would stall an accelerator),
-            # on the sum over ranks so that every rank takes the same branch
-            if self.distributed:
-                dist.all_reduce(step_loss)
-            if not torch.isfinite(step_loss):
-                self.optimizer.zero_grad(set_to_none=True)  # no half-accumulated step leaks into the next
-                raise RuntimeError(f"train_step {step}: non-finite loss {step_loss.item()} in optimizer step {k}; "
-                                   "the weights were not updated")
-            grad_norms.append(self._optimizer_step(step, k))
-        metrics.update(self._reduce(sums, len(steps), tokens))
-        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["train/lr"] = lrs[-1]
-        metrics["train/optimizer_steps"] = float(len(steps))
-        elapsed = time.perf_counter() - t0
-        metrics[TRAIN_TOKENS_PER_S.key] = metrics.pop("train/_tokens") / elapsed
-        metrics["train/step_time_s"] = elapsed
-        return metrics
+    def forward_backward(self, mbs: list[PackedMicroBatch], loss: MicroBatchLoss) -> None:
+        for j, mb in enumerate(mbs):
+            value = loss(j, lambda entropy_grad, mb=mb: self._log_probs(self.model, mb, True, entropy_grad),
+                         lambda mb=mb: self._response_logits(self.model, mb))  # raw: slime's helpers divide by T
+            # FSDP averages gradients over ranks; the loss is already a sum over the whole step's
+            # tokens, so scale back up to get the sum.
+            (value * self.world_size).backward()
 
-    def _plugin_log_probs(self, prefix: str, samples: list[Sample]) -> list[list[float]] | None:
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def plugin_log_probs(self, prefix: str, samples: list[Sample]) -> list[list[float]] | None:
         """The log-probs slime's rollout-data hooks read: the policy's (``""``) or the reference's
         (``"ref_"``; None without one), each after slime's before-log-prob hook. Collective."""
         model = self.model if prefix == "" else self.ref_model
@@ -288,48 +227,20 @@ class TorchBackend:
         with self._ref_on_device() as ref:
             return self._sample_log_probs(ref, samples)
 
-    def _custom_loss(self, mb: PackedMicroBatch, denom, old_logp: Tensor | None, ref_logp: Tensor | None
-                     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """``--loss-type custom_loss``: the plugin's loss of one micro-batch (and its metrics)."""
-        agg = self.settings.loss_agg
-
-        def sum_of_sample_mean(x: Tensor) -> Tensor:
-            return aggregate(x, mb.loss_mask, agg, mb.seq_ids, mb.num_seqs, denom)
-
-        logits = self._response_logits(self.model, mb)  # raw: slime's helpers divide by the temperature
-        return self.hooks.custom_loss(logits, mb, sum_of_sample_mean, old_logp, ref_logp)
-
-    def _optimizer_step(self, step: int, k: int) -> float:
+    def optimizer_step(self) -> tuple[float, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.settings.clip_grad if self.settings.clip_grad > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
-        norm_f = float(norm)
+        norm_f, lr = float(norm), self.optimizer.param_groups[0]["lr"]
         if not torch.isfinite(torch.tensor(norm_f)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise RuntimeError(f"train_step {step}: non-finite grad norm {norm_f} in optimizer step {k}; "
-                               "the weights were not updated")
+            return norm_f, lr  # run_train_step raises; the weights stay
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        return norm_f
-
-    def _reduce(self, sums: dict[str, Tensor], num_steps: int, tokens: int) -> dict[str, float]:
-        """Sum the stats over ranks; step stats become means over optimizer steps."""
-        names = sorted(sums)
-        vec = torch.stack([sums[n] for n in names] + [torch.tensor(float(tokens), device=self.device)])
-        if self.distributed:
-            dist.all_reduce(vec)
-        total = dict(zip(names + ["_tokens"], vec.tolist()))
-        # a custom loss's own metrics too (means over the step, as the built-in ones)
-        out = {f"train/{n}": total[n] / num_steps for n in total if n not in _ROLLOUT_STATS and n[0] != "_"}
-        rollout_tokens = total.get("_rollout_tokens", 0.0)
-        if rollout_tokens > 0:
-            out.update({f"train/{n}": total[n] / rollout_tokens for n in _ROLLOUT_STATS})
-        out["train/_tokens"] = total["_tokens"]
-        return out
+        return norm_f, lr
 
     # --- inference ----------------------------------------------------------------------------
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:

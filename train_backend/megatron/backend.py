@@ -2,11 +2,10 @@
 wrapper and (distributed) optimizer; bf16 on GPU; runs on CPU with gloo through
 :mod:`~train_backend.megatron.cpu_compat`.
 
-One :meth:`MegatronBackend.train_step` = one rollout batch, exactly like the torch backend (the
-batch preparation, advantages, step split and RL loss are the shared ones in
-:mod:`train_backend.batching` / :mod:`train_backend.losses`): rank 0's groups are broadcast, each
-optimizer step's samples are balanced over data-parallel replicas by tokens, right-padded into
-equal-shape micro-batches and run through megatron's pipeline schedule.
+One :meth:`MegatronBackend.train_step` = one rollout batch, exactly like the torch backend: both
+run :func:`train_backend.step.run_train_step`. What is this backend's own: each replica's share of
+an optimizer step is right-padded into equal-shape micro-batches and run through megatron's
+pipeline schedule, and megatron's optimizer steps.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -25,23 +23,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from buffer.sample import Sample
-from metric_keys import TRAIN_KL, TRAIN_PPO_KL, TRAIN_ROLLOUT_KL, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_TOKENS_PER_S
-from train_backend.batching import RolloutBatch, balance, begin_train_step, pack
+from train_backend.batching import PackedMicroBatch, balance, pack
 from train_backend.hooks import TrainHooks
 from train_backend.settings import TrainSettings
-from train_backend.losses import (LossConfig, LossDenominators, aggregate, count_samples_without_loss_tokens,
-                                  rl_loss)
+from train_backend.losses import LossConfig
 from train_backend.megatron import checkpoint, cpu_compat, forward, loss_head, model as mmodel, parallel, saving
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.schedule import learning_rate
-
-# Stats of rl_loss that are means over the step (over its loss tokens, or its samples under
-# seq_mean_token_mean; averaged over optimizer steps), and raw sums normalised by the rollout-token
-# count; same names as the torch backend.
-_STEP_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
-               "tis_clipfrac")
-_ROLLOUT_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
-_ALL_STATS = _STEP_STATS + _ROLLOUT_STATS + ("_rollout_tokens",)
+from train_backend.step import MicroBatchLoss, run_train_step
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -206,6 +195,7 @@ class MegatronBackend:
         mbs = self._micro_batches([sample], [0.0])
         mbs[0].extra["packed"].loss_mask.zero_()
         mbs[0].extra["packed"].rollout_mask.zero_()
+        mbs[0].extra["packed"].num_tokens = 0
         return mbs
 
     def _logp(self, mb: forward.MicroBatch, logits: torch.Tensor, with_entropy: bool, entropy_grad: bool = False
@@ -230,7 +220,7 @@ class MegatronBackend:
         logp = -tensor_parallel.vocab_parallel_cross_entropy(x, packed.targets)  # [N]
         return logp, ent
 
-    def _forward_only(self, model: torch.nn.Module, mbs: list[forward.MicroBatch]) -> list[torch.Tensor | None]:
+    def forward_log_probs(self, model: torch.nn.Module, mbs: list[forward.MicroBatch]) -> list[torch.Tensor | None]:
         """Per micro-batch log-probs ``[N]`` on the last stage (None elsewhere)."""
         def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             logp, _ = self._logp(mb, logits, False)
@@ -242,168 +232,59 @@ class MegatronBackend:
             return [None] * len(mbs)
         return [o["logp"] for o in out]
 
-    # --- training -----------------------------------------------------------------------------
-    def _receive(self, groups: list[list[Sample]] | None) -> list[list[Sample]]:
-        box = [groups if self.rank == 0 else None]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            raise ValueError("train_step: rank 0 passed groups=None")
-        return box[0]
-
-    def _replica_share(self, batch: RolloutBatch, idx: list[int], adv: list[float]) -> list[forward.MicroBatch]:
-        lengths = [len(batch.samples[i].tokens) for i in idx]
-        share = [idx[j] for j in balance(lengths, self.dp_size)[self.dp_rank]]
-        if not share:
-            return self._filler(batch.samples[idx[0]])
-        return self._micro_batches([batch.samples[i] for i in share], [adv[i] for i in share])
+    # --- training: what run_train_step (train_backend/step.py) calls ----------------------------
+    scheduler = None  # the learning rate is set per optimizer step from --lr-* (optimizer_step)
 
     @_on_device
     def train_step(self, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
         """Train on one rollout batch; returns ``train/...`` metrics (identical on every rank)."""
-        t0 = time.perf_counter()
-        s = self.settings
-        start = begin_train_step(self._receive(groups), s, step, self.max_seq_len, self.hooks, self._plugin_log_probs)
-        batch, metrics, adv, steps = start.batch, start.metrics, start.advantages, start.steps
-        if not batch.samples:
-            return metrics
-        plans = [self._replica_share(batch, list(r), adv) for r in steps]
-        # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
-        denominators = count_samples_without_loss_tokens(
-            start.denominators, batch.skipped["empty_response"] + batch.skipped["zero_loss_mask"])
-        # Old log-probs: with one optimizer step the policy is unchanged at each forward, so the
-        # detached training log-probs are the old ones; otherwise a forward-only pass first.
-        self.hooks.call_before_log_prob([self.model], "")
-        if len(steps) > 1:
-            for mbs in plans:
-                for mb, lp in zip(mbs, self._forward_only(self.model, mbs)):
-                    mb.extra["old_logp"] = lp
-        if self.ref_model is not None:
-            self.hooks.call_before_log_prob([self.ref_model], "ref_")
-            for mbs in plans:
-                for mb, lp in zip(mbs, self._forward_only(self.ref_model, mbs)):
-                    mb.extra["ref_logp"] = lp
+        return run_train_step(self, groups, step)
 
-        sums = torch.zeros(len(_ALL_STATS), dtype=torch.float64)
-        custom: dict[str, float] = {}  # a custom loss's own metrics (names rl_loss does not report)
-        grad_norms, lrs, tokens = [], [], 0
-        for k, (mbs, denom) in enumerate(zip(plans, denominators)):
-            losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses
+    @property
+    def reports_stats(self) -> bool:
+        # the loss runs on the last stage; its tensor-parallel ranks all hold the same values
+        return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
 
-            def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators = denom,
-                        losses: list[torch.Tensor] = losses) -> tuple[torch.Tensor, dict]:
-                p = mb.extra["packed"]
-                if self.hooks.loss is not None:  # --loss-type custom_loss
-                    loss, stats = self._custom_loss(mb, logits, denom)
-                    losses.append(loss.detach())
-                    return loss, stats
-                logp, ent = self._logp(mb, logits, with_entropy=True, entropy_grad=s.entropy_coef != 0)
-                old = mb.extra.get("old_logp")
-                loss, stats = rl_loss(self.loss_cfg, denom, logp, logp.detach() if old is None else old,
-                                      p.advantages, p.loss_mask, p.seq_ids, p.num_seqs, entropy=ent,
-                                      ref_logp=mb.extra.get("ref_logp"), rollout_logp=p.rollout_logp,
-                                      rollout_mask=p.rollout_mask, hooks=self.hooks,
-                                      total_lengths=p.total_lengths)
-                # Checked after the pipeline (before the optimizer step): a check here would stall
-                # the GPU queue once per micro-batch.
-                losses.append(loss.detach())
-                return loss, stats
+    def micro_batches(self, samples: list[Sample], advantages: list, filler: Sample) -> list[forward.MicroBatch]:
+        if not samples:
+            return self._filler(filler)
+        return self._micro_batches(samples, advantages)
 
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            self.hooks.call_before_train_step(step, k, [self.model], self.optimizer, None)
-            out = forward.run_pipeline([self.model], mbs, loss_fn, forward_only=False)
-            if losses:
-                values = torch.stack(losses)  # [micro-batches]
-                if not bool(torch.isfinite(values).all()):
-                    raise RuntimeError(f"train_step {step}: non-finite loss {values.tolist()} in optimizer "
-                                       f"step {k}; the weights were not updated")
-            if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
-                for st in out:
-                    names = list(st)
-                    values = torch.stack([torch.as_tensor(st[n], dtype=torch.float64, device=self.device)
-                                          for n in names]).tolist()  # one transfer per micro-batch
-                    for name, v in zip(names, values):
-                        if self.hooks.loss is None and name in _ALL_STATS:
-                            sums[_ALL_STATS.index(name)] += v
-                        else:
-                            custom[name] = custom.get(name, 0.0) + v
-            tokens += sum(int(mb.extra["packed"].input_ids.numel()) for mb in mbs
-                          if mb.extra["packed"].loss_mask.any())
-            lr = learning_rate(s, self.optimizer_steps)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            lrs.append(lr)
-            ok, grad_norm, _ = self.optimizer.step()
-            if not ok or grad_norm is None or not torch.isfinite(torch.tensor(float(grad_norm))):
-                raise RuntimeError(f"train_step {step}: optimizer step {k} failed (grad norm {grad_norm}); "
-                                   "the weights were not updated")
-            grad_norms.append(float(grad_norm))
+    def packed(self, mb: forward.MicroBatch) -> PackedMicroBatch:
+        return mb.extra["packed"]
+
+    def forward_backward(self, mbs: list[forward.MicroBatch], loss: MicroBatchLoss) -> None:
+        index = {id(mb): j for j, mb in enumerate(mbs)}
+
+        def loss_fn(mb: forward.MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            value = loss(index[id(mb)], lambda entropy_grad: self._logp(mb, logits, True, entropy_grad),
+                         lambda: self._full_logits(mb, logits))
+            return value, {}  # run_train_step keeps the stats
+
+        forward.run_pipeline([self.model], mbs, loss_fn, forward_only=False)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> tuple[float, float]:
+        lr = learning_rate(self.settings, self.optimizer_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        ok, grad_norm, _ = self.optimizer.step()
+        norm = float(grad_norm) if ok and grad_norm is not None else float("nan")  # not ok: inf/NaN grads
+        if torch.isfinite(torch.tensor(norm)):
             self.optimizer_steps += 1
-        if self.hooks.loss is not None:
-            metrics.update(self._reduce_custom(custom, len(steps), tokens))
-        else:
-            metrics.update(self._reduce(sums, len(steps), tokens))
-            if self.hooks.tis is not None:  # a custom TIS function's own metrics (same test on every rank)
-                metrics.update({k: v for k, v in self._reduce_custom(custom, len(steps), 0).items() if k[:7] != "train/_"})
-        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["train/lr"] = lrs[-1]
-        metrics["train/optimizer_steps"] = float(len(steps))
-        elapsed = time.perf_counter() - t0
-        metrics[TRAIN_TOKENS_PER_S.key] = metrics.pop("train/_tokens") / elapsed
-        metrics["train/step_time_s"] = elapsed
-        return metrics
+        return norm, lr
 
-    def _reduce(self, sums: torch.Tensor, num_steps: int, tokens: int) -> dict[str, float]:
-        """Stats live on the last stage's TP rank 0 of each replica: sum them over the world."""
-        first_of_replica = (parallel_state.get_pipeline_model_parallel_rank() == 0
-                            and parallel_state.get_tensor_model_parallel_rank() == 0)
-        vec = torch.cat([sums, torch.tensor([float(tokens) if first_of_replica else 0.0], dtype=torch.float64)])
-        vec = vec.to(self.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(vec)
-        total = dict(zip(_ALL_STATS + ("_tokens",), vec.tolist()))
-        out = {f"train/{n}": total[n] / num_steps for n in _STEP_STATS
-               if n != TRAIN_KL.name or self.ref_model is not None}
-        if not self.loss_cfg.use_tis:
-            out.pop("train/tis_weight"), out.pop("train/tis_clipfrac")
-        if total["_rollout_tokens"] > 0:
-            out.update({f"train/{n}": total[n] / total["_rollout_tokens"] for n in _ROLLOUT_STATS})
-        out["train/_tokens"] = total["_tokens"]
-        return out
-
-    def _reduce_custom(self, custom: dict[str, float], num_steps: int, tokens: int) -> dict[str, float]:
-        """A plugin's metrics (a custom loss's or TIS function's, whatever names it returns; they live
-        where ``_reduce``'s do), summed over the world as means over the optimizer steps."""
-        first_of_replica = (parallel_state.get_pipeline_model_parallel_rank() == 0
-                            and parallel_state.get_tensor_model_parallel_rank() == 0)
-        parts: list[Any] = [(custom, float(tokens) if first_of_replica else 0.0)]
-        if dist.get_world_size() > 1:
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, (custom, float(tokens) if first_of_replica else 0.0))
-        total: dict[str, float] = {}
-        for stats, _ in parts:
-            for name, v in stats.items():
-                total[name] = total.get(name, 0.0) + v
-        out = {f"train/{n}": v / num_steps for n, v in total.items()}
-        out["train/_tokens"] = sum(t for _, t in parts)
-        return out
-
-    def _custom_loss(self, mb: forward.MicroBatch, logits: torch.Tensor, denom: LossDenominators
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``--loss-type custom_loss`` on one micro-batch: the plugin gets the full vocabulary's
-        logits (gathered over tensor-parallel ranks, the padded vocabulary rows cut) of the
-        positions predicting response tokens, in slime's layout (:meth:`TrainHooks.custom_loss`)."""
-        p = mb.extra["packed"]
+    def _full_logits(self, mb: forward.MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        """What ``--loss-type custom_loss`` gets: the full vocabulary's logits ``[N, V]`` (gathered
+        over tensor-parallel ranks, the padded vocabulary rows cut) of the positions predicting
+        response tokens, from the stage output ``[b, T, Vp/tp]``."""
         flat = logits.reshape(-1, logits.shape[-1])[mb.extra["logit_pos"]]  # [N, Vp/tp]
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(flat)[:, :self.dims.vocab_size]  # [N, V]
+        return tensor_parallel.gather_from_tensor_model_parallel_region(flat)[:, :self.dims.vocab_size]  # [N, V]
 
-        def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:
-            return aggregate(x, p.loss_mask, self.settings.loss_agg, p.seq_ids, p.num_seqs, denom)
-
-        return self.hooks.custom_loss(full, p, sum_of_sample_mean, mb.extra.get("old_logp"), mb.extra.get("ref_logp"))
-
-    def _plugin_log_probs(self, prefix: str, samples: list[Sample]) -> list[list[float]] | None:
+    def plugin_log_probs(self, prefix: str, samples: list[Sample]) -> list[list[float]] | None:
         """The log-probs slime's rollout-data hooks read: the policy's (``""``) or the reference's
         (``"ref_"``; None without one), each after slime's before-log-prob hook. Collective."""
         model = self.model if prefix == "" else self.ref_model
@@ -430,7 +311,7 @@ class MegatronBackend:
                 mbs = self._micro_batches([samples[i] for i in share], None)
             else:
                 mbs = self._filler(samples[todo[0]])
-            results = self._forward_only(model, mbs)
+            results = self.forward_log_probs(model, mbs)
             if parallel_state.is_pipeline_last_stage() and share:
                 for mb, lp in zip(mbs, results):
                     assert lp is not None
