@@ -50,11 +50,10 @@ logger = logging.getLogger(__name__)
 LOADER = "sglang_protocol.held_weights.load_and_hold"
 HEADER = "reservoir.held:"
 
-# per model (one per engine process and TP rank): the tensors of the last push, and the recorded
-# load of their storages, or the signature of storages whose load cannot be replayed
+# per model (one per engine process and TP rank): the tensors of the last push, and the signature
+# of the storages last recorded with their plan (None: that load cannot be replayed)
 _held: dict[int, list[Any]] = {}
-_plans: dict[int, load_replay.Plan] = {}
-_refused: dict[int, tuple] = {}
+_loads: dict[int, tuple[tuple, load_replay.Plan | None]] = {}
 
 
 def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
@@ -67,34 +66,36 @@ def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
     named = list(named_tensors)
     if not named:
         _held.pop(id(model), None)
-        _plans.pop(id(model), None)
-        _refused.pop(id(model), None)
+        _loads.pop(id(model), None)
         return
     if not isinstance(model, torch.nn.Module):  # a stand-in with load_weights alone (the embedded engine's)
         model.load_weights(unpack(named))
         _held[id(model)] = [t for _, t in named]
         return
     sig = load_replay.signature(named, load_replay.model_tensors(model))
-    plan = _plans.get(id(model))
-    if plan is not None and plan.signature == sig:
-        plan.replay()
-    elif _refused.get(id(model)) == sig:  # recorded once already: this load cannot be replayed
-        model.load_weights(unpack(named))
+    known = _loads.get(id(model))
+    if known is not None and known[0] == sig:
+        plan = known[1]
+        if plan is not None:
+            plan.replay()
+        else:  # recorded once already: this load cannot be replayed
+            model.load_weights(unpack(named))
     else:
         plan, why = load_replay.record(model, named, lambda: model.load_weights(unpack(named)))
-        _plans.pop(id(model), None)
-        _refused.pop(id(model), None)
-        if plan is not None:
-            _plans[id(model)] = plan
-        else:
-            _refused[id(model)] = sig
+        _loads[id(model)] = (sig, plan)
+        if plan is None:
             logger.warning("held weights: pushes walk load_weights, none is replayed: %s", why)
     _held[id(model)] = [t for _, t in named]  # replaces the last push's: same allocations, still mapped
 
 
+def plan_of(model: Any) -> load_replay.Plan | None:
+    """The recorded load that pushes into ``model`` replay (None without one)."""
+    return _loads.get(id(model), (None, None))[1]
+
+
 def replays(model: Any) -> int:
     """How many pushes into ``model`` replayed a recorded load (0 without a plan)."""
-    plan = _plans.get(id(model))
+    plan = plan_of(model)
     return plan.replays if plan is not None else 0
 
 

@@ -54,7 +54,6 @@ class _View:
 @dataclass
 class Plan:
     """The parameter writes of one ``load_weights`` call, bound to the storages they touch."""
-    signature: tuple
     steps: list[Callable[[], None]] = field(default_factory=list)
     num_copies: int = 0
     replays: int = 0
@@ -142,7 +141,7 @@ def record(model: torch.nn.Module, received: list[tuple[str, torch.Tensor]], loa
         return None, recorder.refusal
     if signature(received, model_tensors(model)) != before or _tensor_attributes(model) != attrs:
         return None, "the load replaced a parameter, a buffer or a tensor attribute of the model"
-    return _build(before, recorder.ops, {"recv": recv_storages, "param": state_storages}), ""
+    return _build(recorder.ops, {"recv": recv_storages, "param": state_storages}), ""
 
 
 def model_tensors(model: Any) -> list[torch.Tensor]:
@@ -161,8 +160,8 @@ def _bind(v: _View, storages: dict[str, list]) -> torch.Tensor:
     return torch.empty(0, dtype=v.dtype, device=st.device).set_(st, v.offset, v.size, v.stride)
 
 
-def _build(sig: tuple, ops: list, storages: dict[str, list]) -> Plan:
-    plan = Plan(signature=sig)
+def _build(ops: list, storages: dict[str, list]) -> Plan:
+    plan = Plan()
     run: list[tuple[_View, _View]] = []
 
     def flush() -> None:

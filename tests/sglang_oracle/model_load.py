@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "differ": [n for n in theirs if not torch.equal(mine[n], theirs[n])],
                        "changed": sum(not torch.equal(mine[n], prev[n]) for n in mine) if k else None})
         prev = {n: p.detach().clone() for n, p in mine.items()}
-    plan = held_weights._plans.get(id(model))
+    plan = held_weights.plan_of(model)
     out = {"pushes": pushes, "num_params": len(dict(model.named_parameters())),
            "num_copies": plan.num_copies if plan else 0, "steps": len(plan.steps) if plan else 0,
            "shapes": {n: list(p.shape) for n, p in model.named_parameters()}}
