@@ -85,6 +85,9 @@ def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
         _loads[id(model)] = (sig, plan)
         if plan is None:
             logger.warning("held weights: pushes walk load_weights, none is replayed: %s", why)
+        else:
+            logger.info("held weights: recorded %d copies in %d steps; later pushes replay them",
+                        plan.num_copies, len(plan.steps))
     _held[id(model)] = [t for _, t in named]  # replaces the last push's: same allocations, still mapped
 
 
