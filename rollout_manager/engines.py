@@ -30,9 +30,10 @@ otherwise runs a one-token generation, which waits (up to 20 s) behind a paused 
 long weight update, and the monitor would restart a healthy engine. The router's own health checks
 are off for our engines (``router.Router.add_worker``): this monitor is their one judge.
 
-Each engine started here gets its own ports: its HTTP port and, for SGLang, ``--nccl-port`` and
+Each engine started here gets its own ports: its HTTP port and, for SGLang, ``--nccl-port``,
 ``--dist-init-addr`` (left to itself, SGLang picks them at random, so engines on one node can
-collide). Engines inherit this process's environment (CUDA_HOME, NCCL_*, HF_*, SGLANG_*), locally
+collide) and its gRPC port (``SGLANG_GRPC_PORT``; SGLang 0.5.15 otherwise takes HTTP port + 10000,
+and refuses to start when that passes 65535 or is taken). Engines inherit this process's environment (CUDA_HOME, NCCL_*, HF_*, SGLANG_*), locally
 and through Ray placement alike (``child_environ``).
 """
 
@@ -96,6 +97,7 @@ class EnginePorts:
     port: int
     nccl_port: int | None = None  # SGLang --nccl-port
     dist_init_port: int | None = None  # SGLang --dist-init-addr host:port (and the block above it)
+    grpc_port: int | None = None  # SGLang's SGLANG_GRPC_PORT
 
 
 def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
@@ -106,11 +108,12 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
     ckpt = settings.hf_checkpoint or ""
     model = os.path.abspath(ckpt) if os.path.exists(ckpt) else ckpt  # a hub id (Qwen/Qwen3-4B) stays one
     if e.rollout_engine == "sglang":
-        if ports.nccl_port is None or ports.dist_init_port is None:
-            raise ValueError("an SGLang engine needs its --nccl-port and --dist-init-addr ports")
+        if ports.nccl_port is None or ports.dist_init_port is None or ports.grpc_port is None:
+            raise ValueError("an SGLang engine needs its --nccl-port, --dist-init-addr and gRPC ports")
         gpus = range(index * e.rollout_num_gpus_per_engine, (index + 1) * e.rollout_num_gpus_per_engine)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # local placement; Ray placement overrides it
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"  # /health without a generation (module docstring)
+        env["SGLANG_GRPC_PORT"] = str(ports.grpc_port)  # not HTTP port + 10000 (module docstring)
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
                "--port", str(ports.port), "--tp-size", str(e.rollout_num_gpus_per_engine),
                "--nccl-port", str(ports.nccl_port), "--dist-init-addr", f"{_uri_host(host)}:{ports.dist_init_port}",
@@ -271,7 +274,8 @@ class EngineFleet:
             ports = EnginePorts(_take_port(host, ip, used))
             if e.rollout_engine == "sglang":
                 ports = EnginePorts(ports.port, nccl_port=_take_port(host, ip, used, _SGLANG_PORT_BASE),
-                                    dist_init_port=_take_port(host, ip, used, _SGLANG_PORT_BASE, _DIST_INIT_PORTS))
+                                    dist_init_port=_take_port(host, ip, used, _SGLANG_PORT_BASE, _DIST_INIT_PORTS),
+                                    grpc_port=_take_port(host, ip, used, _SGLANG_PORT_BASE))
             cmd, env = engine_command(self.settings, i, ports, ip)
             engines.append(ManagedEngine(i, f"http://{_uri_host(ip)}:{ports.port}", cmd, env,
                                          log_path=self.log_dir / f"engine_{i}.log", host=host))

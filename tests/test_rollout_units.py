@@ -19,12 +19,13 @@ def test_sglang_command_line_and_gpus():
     _, s = make_args(["--hf-checkpoint", "/m", "--rollout-engine", "sglang", "--rollout-num-gpus", "4",
                       "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
                       "--sglang-enable-torch-compile"])
-    cmd, env = engine_command(s, 1, EnginePorts(30001, nccl_port=20000, dist_init_port=20001))
+    cmd, env = engine_command(s, 1, EnginePorts(60001, nccl_port=20000, dist_init_port=20001, grpc_port=20065))
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--port") + 1] == "30001"
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--port") + 1] == "60001"
     assert cmd[cmd.index("--nccl-port") + 1] == "20000" and cmd[cmd.index("--dist-init-addr") + 1] == "127.0.0.1:20001"
     assert cmd[-3:] == ["--mem-fraction-static", "0.7", "--enable-torch-compile"]
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # engine 1 of 2-GPU engines
+    assert env["SGLANG_GRPC_PORT"] == "20065"  # SGLang 0.5.15's own pick (port + 10000) would pass 65535
 
 
 def test_embedded_command_line():

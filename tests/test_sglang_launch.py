@@ -62,7 +62,9 @@ def test_every_engine_command_parses_with_sglangs_own_parser(sglang, toy_model_d
         assert sa.cuda_graph_bs_decode == [1, 2, 4, 8]
         assert sa.enable_metrics is True
         assert sa.api_key == "k1" == settings.engines.api_key
-        reserved.append({sa.port, sa.nccl_port, *range(int(dist_port), int(dist_port) + 30)})
+        reserved.append({sa.port, sa.nccl_port, int(eng.env["SGLANG_GRPC_PORT"]),
+                         *range(int(dist_port), int(dist_port) + 30)})
+        assert len(reserved[-1]) == 33  # an engine's own ports are distinct too
     assert not reserved[0] & reserved[1]  # two engines on one node never share a port
     assert not any(t.startswith("--router") for eng in engines for t in eng.cmd)
     assert settings.engines.router_args == ["--request-timeout-secs", "14400"]  # to the router instead
