@@ -16,7 +16,7 @@ ceiling: a bare ``copy_`` of every trainer tensor into a preallocated tensor of 
 the same GPU, and one flat copy of all the bytes (the faster of the two is the ceiling). Then one
 more push of changed values (every weight negated) per variant and a per-tensor comparison with
 the engine (checksums; SGLang: a read-back), so the timed kind of push really lands (``--check
-head``: the head variant's only). Into SGLang, ``load_replayed`` says whether its held-weights loader
+head``: the head variant's only; ``--check-tensors``: a spread subset). Into SGLang, ``load_replayed`` says whether its held-weights loader
 replayed its recorded load (its log). Also timed: the memory
 handoff of a colocated step (``EngineMemory``: pause + release the KV cache, then resume +
 continue). ``ratio`` = ceiling seconds / push seconds (medians), the worse of the 1.5B and 7B sets
@@ -140,7 +140,9 @@ def bench_set(name: str, args, work: Path) -> dict:
                 for e in snd.engines:  # how each compares: checksums (embedded), a read-back (SGLang)
                     e.check_equal = True
                     snd._loop.run(fetch_params(e, 600.0), timeout=900)
-                check_s = snd._loop.run(check_equal(snd.engines, named, 600.0), timeout=900)
+                step = max(1, len(named) // args.check_tensors) if args.check_tensors else 1
+                checked = named[::step] + ([named[-1]] if (len(named) - 1) % step else [])
+                check_s = snd._loop.run(check_equal(snd.engines, checked, 600.0), timeout=900)
             push_s = statistics.median(x["weight_sync/time_s"] for x in rs)
             variants[f"{fmt}:{bucket}"] = {
                 "push_s": push_s, "push_s_all": [x["weight_sync/time_s"] for x in rs],
@@ -157,6 +159,7 @@ def bench_set(name: str, args, work: Path) -> dict:
                 "handoff_release_s": statistics.median(h["release_s"] for h in handoff),
                 "handoff_resume_s": statistics.median(h["resume_s"] for h in handoff),
                 "checked_equal": [v for v, x in variants.items() if x["check_s"] is not None],
+                "checked_tensors": len(checked),
                 "load_replayed": _replayed(work / f"sglang_{name}.log") if args.engine == "sglang" else None,
                 "variants": variants}
     finally:
@@ -192,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--check", choices=["all", "head"], default="all",
                     help="which variants' last push is compared with the engine (SGLang's read-back of a 7B "
                          "model takes a minute per variant)")
+    ap.add_argument("--check-tensors", type=int, default=0,
+                    help="compare only about this many tensors, evenly spread, the last included (0: all); "
+                         "SGLang's /get_weights_by_name copies a whole tensor to the host per read")
     ap.add_argument("--device", default="cuda:0", help="the one GPU the trainer and the engine share")
     ap.add_argument("--workdir", default="/tmp/bench_ws_colocated")
     ap.add_argument("--engine", choices=["embedded", "sglang"], default="embedded",
