@@ -117,7 +117,8 @@ class WeightSyncSettings:
                             name="--update-weight-timeout")
     check_equal: bool = flag(False, "after each push, compare every engine's weights with the trainer's "
                              "(the embedded engine: checksums of every tensor; SGLang: /get_weights_by_name "
-                             "read-back of each tensor's leading rows, llama-family models)",
+                             "read-back of each tensor's leading rows, llama-family models; slow on large models: "
+                             "SGLang turns each whole tensor into a Python list, ~6 min for a 7B)",
                              name="--check-weight-update-equal")
     retries: int = flag(1, "times a failed push is redone on the engines still alive", name="--update-weight-retries")
     disk_dir: str | None = flag(None, "directory for the disk transport's checkpoints (readable by the engines)",
