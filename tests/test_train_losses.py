@@ -439,6 +439,81 @@ def test_rl_loss_is_invariant_to_micro_batching(agg, gspo):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def _rejecting_tis(pg, old_logp, rollout_logp, mask, seq_ids, num_seqs):
+    """A custom TIS function in the shape of slime's MIS "mask" mode: tokens whose train/rollout
+    ratio leaves [0.8, 1.25] are rejected (mask 0), the others weighted by the ratio."""
+    ratio = torch.exp(old_logp - rollout_logp)
+    keep = ((ratio >= 0.8) & (ratio <= 1.25)).to(mask.dtype)
+    return pg * ratio, mask * keep, {"custom_ratio": ratio}
+
+
+def _slime_policy_loss_with_rejection(logp, old, adv, masks, ent, ref, roll, cfg):
+    """slime 624b824's ``policy_loss_function`` (loss.py) written out on per-sample lists, without
+    per-token loss: the TIS function returns masks, ``sum_of_sample_mean`` is rebuilt with them for
+    the numerators over the original per-sample denominators (``rollout_mask_sums``), and every
+    loss term and metric but the TIS function's own goes through the rebuilt reducer."""
+    n = len(masks)
+    denoms = [m.sum() for m in masks]
+    old_c, logp_c, roll_c = torch.cat(old), torch.cat(logp), torch.cat(roll)
+    ppo_kl = old_c - logp_c
+    ratio = torch.exp(-ppo_kl)
+    a = torch.cat(adv)
+    pg1, pg2 = -a * ratio, -a * ratio.clamp(1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
+    pg, clipfrac = torch.maximum(pg1, pg2), (pg2 > pg1).to(a.dtype)
+    pg, new_masks, tis_metrics = _rejecting_tis(pg, old_c, roll_c, torch.cat(masks), None, n)
+    lens = [len(m) for m in masks]
+    new_masks = list(torch.split(new_masks, lens))
+
+    def reducer(ms):
+        return lambda x: sum((xi * mi).sum() / d.clamp(min=1) for xi, mi, d in zip(torch.split(x, lens), ms, denoms)) / n
+
+    masked, original = reducer(new_masks), reducer(masks)
+    entropy_loss = masked(torch.cat(ent))
+    kl_loss = masked((torch.exp(torch.cat(ref) - logp_c) - 1 - (torch.cat(ref) - logp_c)).clamp(-10, 10))
+    loss = masked(pg) - cfg.entropy_coef * entropy_loss + cfg.kl_coef * kl_loss
+    metrics = {"pg_clipfrac": masked(clipfrac), "ppo_kl": masked(ppo_kl), "entropy": entropy_loss, "kl": kl_loss,
+               "custom_ratio": original(tis_metrics["custom_ratio"])}
+    return loss, metrics
+
+
+def test_a_rejecting_tis_function_masks_every_term_as_slime_does():
+    """A custom TIS function that rejects tokens (slime's MIS "mask" mode) leaves them out of the
+    policy-gradient term, the KL and entropy terms and their metrics, not only the first; its own
+    metrics still count every loss token. slime's formulas (written out above) on the same fp64
+    inputs; loss, gradient and metrics to 1e-12. (Checked once against slime 624b824's own
+    ``policy_loss_function`` on these inputs: every metric equal, the loss 1.7e-10 apart because
+    slime computes the KL in float32.)"""
+    g = torch.Generator().manual_seed(7)
+    lens = [4, 6, 3, 5]
+    n = sum(lens)
+    seq = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))
+    logp = (-torch.rand(n, generator=g, dtype=F64) * 2).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(n, generator=g, dtype=F64)
+    ref = logp.detach() + 0.2 * torch.randn(n, generator=g, dtype=F64)
+    roll = old + 0.3 * torch.randn(n, generator=g, dtype=F64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=F64)[seq]
+    mask = (torch.rand(n, generator=g) > 0.2).to(F64)
+    ent = torch.rand(n, generator=g, dtype=F64)
+    keep = (torch.exp(old - roll) >= 0.8) & (torch.exp(old - roll) <= 1.25)
+    assert 0 < int((keep & (mask > 0)).sum()) < int(mask.sum())  # some loss tokens rejected, some kept
+    cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.28, loss_agg="seq_mean_token_mean", use_kl_loss=True,
+                     kl_coef=0.05, kl_loss_type="low_var_kl", entropy_coef=0.01, use_tis=True)
+    denom = LossDenominators.of_batch(mask, seq, 4)
+    ours, stats = rl_loss(cfg, denom, logp, old, adv, mask, seq, 4, ent, ref, roll, torch.ones(n, dtype=F64),
+                          importance=_rejecting_tis)
+    (g_ours,) = torch.autograd.grad(ours, [logp])
+    split = lambda t: list(torch.split(t, lens))  # noqa: E731
+    logp2 = logp.detach().clone().requires_grad_()
+    want, want_m = _slime_policy_loss_with_rejection(split(logp2), split(old), split(adv), split(mask), split(ent),
+                                                     split(ref), split(roll), cfg)
+    (g_want,) = torch.autograd.grad(want, [logp2])
+    assert abs(float(ours - want)) < 1e-12
+    assert float((g_ours - g_want).abs().max()) < 1e-12
+    assert float(g_ours[~keep].abs().max()) == 0.0  # a rejected token gets no gradient from any term
+    for key in ("pg_clipfrac", "ppo_kl", "entropy", "kl", "custom_ratio"):
+        assert abs(float(stats[key] - want_m[key])) < 1e-12, key
+
+
 def test_rl_loss_tis_needs_rollout_log_probs():
     cfg = LossConfig(use_tis=True)
     x = torch.zeros(2)

@@ -327,13 +327,12 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     ``importance``: the TIS correction under ``--use-tis`` (default :func:`truncated_is` with
     ``--tis-clip``); ``reducer``: the policy-gradient loss's reduction (default :func:`aggregate`
     with ``--loss-agg``). slime's ``--custom-tis-function-path`` and
-    ``--custom-pg-loss-reducer-function-path`` come in as these (:mod:`train_backend.hooks`).
+    ``--custom-pg-loss-reducer-function-path`` come in as these (:mod:`train_backend.hooks`). A
+    correction that rejects tokens (zeros in the mask it returns) leaves them out of the numerators
+    of every loss term and metric except its own metrics, over unchanged denominators, as slime does.
     """
     m = loss_mask.to(logp.dtype)  # [N]
     metric_agg = "seq_mean_token_mean" if cfg.loss_agg == "seq_mean_token_mean" else "token_mean"
-
-    def metric(values: Tensor) -> Tensor:
-        return aggregate(values.detach(), m, metric_agg, seq_ids, num_seqs, denom)
 
     if cfg.sequence_level_ratio:
         log_ratio = sequence_log_ratio(logp, old_logp, m, seq_ids, num_seqs)  # [N]
@@ -350,31 +349,40 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
             pg, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs, cfg.tis_cap)
         else:
             pg, pg_mask, tis_stats = importance(pg, old_logp, rollout_logp, m, seq_ids, num_seqs)
-        stats.update({k: metric(v) for k, v in tis_stats.items()})
-    if reducer is not None:
-        pg_loss = reducer(pg, pg_mask, seq_ids, num_seqs)
-    else:
-        pg_loss = aggregate(pg, m, cfg.loss_agg, seq_ids, num_seqs, denom, num_mask=pg_mask)
+        # the correction's own metrics over every loss token (slime: the pre-rejection reducer), so
+        # a rejected fraction is not driven to 0 by leaving the rejected tokens out
+        stats.update({k: aggregate(v.detach(), m, metric_agg, seq_ids, num_seqs, denom) for k, v in tis_stats.items()})
+
+    # Everything else sums only the tokens the correction kept (slime rebuilds its reducer with the
+    # returned masks: the loss terms, their metrics and the mismatch metric), over the original
+    # denominators
+    def agg(values: Tensor, mode: str = cfg.loss_agg) -> Tensor:
+        return aggregate(values, m, mode, seq_ids, num_seqs, denom, num_mask=pg_mask)
+
+    def metric(values: Tensor) -> Tensor:
+        return agg(values.detach(), metric_agg)
+
+    pg_loss = reducer(pg, pg_mask, seq_ids, num_seqs) if reducer is not None else agg(pg)
     loss = pg_loss
     stats["pg_loss"] = pg_loss.detach()
     stats["pg_clipfrac"] = metric(clipped)
     stats[TRAIN_PPO_KL.name] = metric(old_logp - logp)  # the plotted keys: metric_keys
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, cfg.kl_loss_type)  # [N]
-        kl_loss = aggregate(kl, m, cfg.loss_agg, seq_ids, num_seqs, denom)
+        kl_loss = agg(kl)
         if cfg.use_kl_loss and cfg.kl_coef != 0:
             loss = loss + cfg.kl_coef * kl_loss
         stats[TRAIN_KL.name] = metric(kl)
     if entropy is not None:
         if cfg.entropy_coef != 0:
-            loss = loss - cfg.entropy_coef * aggregate(entropy, m, cfg.loss_agg, seq_ids, num_seqs, denom)
+            loss = loss - cfg.entropy_coef * agg(entropy)
         stats["entropy"] = metric(entropy)
     if has_rollout:
-        rm = m * rollout_mask.to(m.dtype)  # [N]
+        rm = rollout_mask.to(m.dtype)  # [N]
         diff = (old_logp - rollout_logp).detach()  # [N]
-        stats[TRAIN_ROLLOUT_LOGP_ABS_DIFF.name] = (diff.abs() * rm).sum()
-        stats[TRAIN_ROLLOUT_KL.name] = (kl_penalty(rollout_logp, old_logp.detach(), "k3") * rm).sum()
-        stats[ROLLOUT_TOKENS] = rm.sum()
+        stats[TRAIN_ROLLOUT_LOGP_ABS_DIFF.name] = (diff.abs() * pg_mask * rm).sum()
+        stats[TRAIN_ROLLOUT_KL.name] = (kl_penalty(rollout_logp, old_logp.detach(), "k3") * pg_mask * rm).sum()
+        stats[ROLLOUT_TOKENS] = (m * rm).sum()
     stats["loss"] = loss.detach()
     return loss, stats
 
