@@ -163,7 +163,7 @@ def fill_trainer_args(args: argparse.Namespace, settings: Any) -> argparse.Names
     put("kl_loss_type", settings.kl_loss_type)
     put("calculate_per_token_loss", settings.loss_agg == "token_mean")
     put("tis_clip", settings.tis_cap)
-    put("tis_clip_low", 0.0)
+    put("tis_clip_low", settings.tis_clip_low)
     put("use_rollout_logprobs", False)
     put("get_mismatch_metrics", False)
     put("use_opsm", False)

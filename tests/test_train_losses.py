@@ -372,7 +372,8 @@ def test_metrics_are_per_sample_means_under_seq_mean_token_mean(agg):
     groups, per_sample = _batch_with_two_unscored(seed=1)
     cfg_kw = dict(eps_clip=0.2, use_kl_loss=True, kl_coef=0.05, use_tis=True, tis_cap=1.2)
     _, _, stats, _, adv = _reservoir_step(agg, groups, per_sample, cfg_kw)
-    per_token = {"pg_clipfrac": [], "ppo_kl": [], "kl": [], "entropy": [], "tis_weight": [], "tis_clipfrac": []}
+    per_token = {"pg_clipfrac": [], "ppo_kl": [], "kl": [], "entropy": [], "tis_weight": [], "tis": [], "tis_abs": [],
+                 "tis_clipfrac": []}
     for i, p in enumerate(per_sample):
         ratio = (p["logp"] - p["old"]).exp()
         per_token["pg_clipfrac"].append((-ratio.clamp(0.8, 1.2) * adv[i] > -ratio * adv[i]).to(F64))
@@ -382,7 +383,9 @@ def test_metrics_are_per_sample_means_under_seq_mean_token_mean(agg):
         per_token["entropy"].append(p["entropy"])
         tis = (p["old"] - p["rollout"]).exp()
         per_token["tis_weight"].append(tis.clamp(max=1.2))
-        per_token["tis_clipfrac"].append((tis >= 1.2).to(F64))
+        per_token["tis"].append(tis)  # slime's vanilla_tis_function: the raw ratio's mean
+        per_token["tis_abs"].append((tis - 1).abs())
+        per_token["tis_clipfrac"].append((tis > 1.2).to(F64))
     masks = [p["mask"] for p in per_sample]
     for name, values in per_token.items():
         if agg == "seq_mean_token_mean":
@@ -547,3 +550,67 @@ def test_torch_backend_counts_samples_without_loss_tokens(toy_model_dir):
     assert m["train/skipped_empty_response"] == 1
     assert m["train/pg_loss"] == pytest.approx(-trained.item() / 16, rel=1e-5)
     assert abs(trained.item() / 14 - trained.item() / 16) > 1e-3  # the two counts are told apart
+
+
+# --- slime's own TIS functions by their slime path ------------------------------------------------
+def _tis_inputs():
+    g = torch.Generator().manual_seed(11)
+    lens = [5, 3, 6]
+    n = sum(lens)
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    logp = (-torch.rand(n, generator=g, dtype=F64) * 2).requires_grad_()
+    old = logp.detach() + 0.05 * torch.randn(n, generator=g, dtype=F64)
+    roll = old + 0.5 * torch.randn(n, generator=g, dtype=F64)
+    adv = torch.tensor([1.0, -0.5, 0.25], dtype=F64)[seq]
+    mask = (torch.rand(n, generator=g) > 0.15).to(F64)
+    return logp, old, roll, adv, mask, seq
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_slimes_vanilla_tis_function_by_its_slime_path_equals_the_built_in_tis(agg):
+    """``--custom-tis-function-path slime.backends.megatron_utils.loss.vanilla_tis_function`` (slime's
+    default TIS, through the launcher's hook loading) gives the built-in ``--use-tis`` loss, gradient
+    and TIS metrics, with both clip bounds (``--tis-clip-low``) active."""
+    from train_backend.hooks import TrainHooks
+
+    logp, old, roll, adv, mask, seq = _tis_inputs()
+    w = torch.exp(old - roll)
+    assert bool(((w < 0.7) & (mask > 0)).any()) and bool(((w > 1.4) & (mask > 0)).any())  # both bounds bite
+    kw = dict(use_tis=True, tis_cap=1.4, tis_clip_low=0.7, loss_agg=agg)
+    settings = TrainSettings(hf_checkpoint="m", custom_tis_function_path=
+                             "slime.backends.megatron_utils.loss.vanilla_tis_function", **kw)
+    importance = TrainHooks.load(settings).importance([8] * 3)
+    cfg, denom, ones = LossConfig.from_settings(settings), LossDenominators.of_batch(mask, seq, 3), torch.ones_like(mask)
+    out = []
+    for fn in (None, importance):
+        loss, stats = rl_loss(cfg, denom, logp, old, adv, mask, seq, 3, rollout_logp=roll, rollout_mask=ones,
+                              importance=fn)
+        out.append((loss, torch.autograd.grad(loss, [logp])[0], stats))
+    (l0, g0, s0), (l1, g1, s1) = out
+    assert float(l0) == pytest.approx(float(l1), abs=1e-15) and float((g0 - g1).abs().max()) < 1e-15
+    for key in ("tis", "tis_abs", "tis_clipfrac"):
+        assert float(s0[key]) == pytest.approx(float(s1[key]), abs=1e-15), key
+    assert 0 < float(s0["tis_clipfrac"]) < 1
+
+
+def test_slimes_icepop_function_by_its_slime_path_zeroes_the_tokens_outside_its_band():
+    """slime's ``icepop_function``: a token whose train/rollout ratio leaves ``[--tis-clip-low,
+    --tis-clip]`` gets weight 0 (no gradient) but still counts in the denominators; inside, the raw
+    ratio. Against the formula on the same fp64 inputs."""
+    from train_backend.hooks import TrainHooks
+
+    logp, old, roll, adv, mask, seq = _tis_inputs()
+    settings = TrainSettings(hf_checkpoint="m", use_tis=True, tis_cap=1.4, tis_clip_low=0.7, loss_agg="token_mean",
+                             custom_tis_function_path="slime.backends.megatron_utils.loss.icepop_function")
+    importance = TrainHooks.load(settings).importance([8] * 3)
+    loss, stats = rl_loss(LossConfig.from_settings(settings), LossDenominators.of_batch(mask, seq, 3), logp, old,
+                          adv, mask, seq, 3, rollout_logp=roll, rollout_mask=torch.ones_like(mask),
+                          importance=importance)
+    ratio = torch.exp(old - roll)
+    inside = (ratio >= 0.7) & (ratio <= 1.4)
+    pg, _ = policy_loss(logp - old, adv, 0.2)
+    want = (pg * torch.where(inside, ratio, torch.zeros_like(ratio)) * mask).sum() / mask.sum()
+    assert float(loss) == pytest.approx(float(want), abs=1e-15)
+    (grad,) = torch.autograd.grad(loss, [logp])
+    assert float(grad[~inside].abs().max()) == 0.0 and float(grad[inside & (mask > 0)].abs().min()) > 0
+    assert float(stats["tis_clipfrac"]) == pytest.approx(float(((~inside).to(F64) * mask).sum() / mask.sum()))

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # its samples under seq_mean_token_mean), averaged over optimizer steps; and raw sums over
 # ROLLOUT_TOKENS tokens, divided by their sum over the rollout batch.
 STEP_MEAN_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
-                   "tis_clipfrac")
+                   "tis", "tis_abs", "tis_clipfrac")
 ROLLOUT_SUM_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
 ROLLOUT_TOKENS = "_rollout_tokens"
 
@@ -204,18 +204,21 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     raise ValueError(f"--kl-loss-type={kind!r}: expected k1, k2, k3 or low_var_kl")
 
 
-def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
-    """Truncated importance weight ``min(exp(old_logp - rollout_logp), cap)`` per token, no grad:
-    corrects for the engine sampling from slightly different probabilities than the trainer's."""
-    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # [N]; an overflow to inf caps too
+def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float, low: float = 0.0) -> Tensor:
+    """Truncated importance weight ``clamp(exp(old_logp - rollout_logp), low, cap)`` per token, no
+    grad: corrects for the engine sampling from slightly different probabilities than the trainer's."""
+    return torch.exp(old_logp - rollout_logp).clamp(min=low, max=cap).detach()  # [N]; an overflow to inf caps too
 
 
 def truncated_is(pg: Tensor, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, seq_ids: Tensor, num_seqs: int,
-                 cap: float) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """The built-in :data:`ImportanceFn` (``cap`` bound): ``pg`` times :func:`tis_weights`, every
-    loss token kept; stats ``tis_weight`` and ``tis_clipfrac`` (the capped tokens)."""
-    w = tis_weights(old_logp, rollout_logp, cap)  # [N]
-    return pg * w, mask, {"tis_weight": w, "tis_clipfrac": (w >= cap).to(mask.dtype)}
+                 cap: float, low: float = 0.0) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The built-in :data:`ImportanceFn` (``cap``, ``low`` bound): ``pg`` times :func:`tis_weights`,
+    every loss token kept. Stats: ``tis_weight`` (the weight applied), and slime's ``tis`` (the raw
+    ratio), ``tis_abs`` (``|ratio - 1|``) and ``tis_clipfrac`` (the tokens whose weight was clipped)."""
+    ratio = torch.exp(old_logp - rollout_logp).detach()  # [N]
+    w = ratio.clamp(min=low, max=cap)  # [N]
+    return pg * w, mask, {"tis_weight": w, "tis": ratio, "tis_abs": (ratio - 1).abs(),
+                          "tis_clipfrac": (w != ratio).to(mask.dtype)}
 
 
 # --- aggregation ------------------------------------------------------------------------------
@@ -299,11 +302,12 @@ class LossConfig:
     entropy_coef: float = _T.entropy_coef
     use_tis: bool = _T.use_tis
     tis_cap: float = _T.tis_cap
+    tis_clip_low: float = _T.tis_clip_low
 
     @classmethod
     def from_settings(cls, s: "TrainSettings") -> "LossConfig":
         return cls(s.advantage_estimator == "gspo", s.eps_clip, s.eps_clip_high, s.eps_clip_c, s.loss_agg,
-                   s.use_kl_loss, s.kl_coef, s.kl_loss_type, s.entropy_coef, s.use_tis, s.tis_cap)
+                   s.use_kl_loss, s.kl_coef, s.kl_loss_type, s.entropy_coef, s.use_tis, s.tis_cap, s.tis_clip_low)
 
 
 def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Tensor, advantages: Tensor,
@@ -317,8 +321,8 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     All per-token inputs are ``[N]``. ``rollout_logp`` (with ``rollout_mask`` = 1 where the engine
     reported a log-prob) feeds TIS and the train/rollout mismatch metric. Returns ``(loss, stats)``;
     every stat sums over micro-batches and data-parallel ranks: ``loss``/``pg_loss`` and the
-    per-token metrics (``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``tis_weight``,
-    ``tis_clipfrac``) are already divided by the step's denominators, while
+    per-token metrics (``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``tis_weight``, ``tis``,
+    ``tis_abs``, ``tis_clipfrac``) are already divided by the step's denominators, while
     ``train_rollout_logp_abs_diff`` and ``train_rollout_kl`` are raw sums over ``ROLLOUT_TOKENS``
     tokens (the caller divides). The per-token metrics are means over the step's loss tokens,
     except under ``seq_mean_token_mean``: there they are means over its samples of each sample's
@@ -346,7 +350,8 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
         if not has_rollout or bool((rollout_mask[m > 0] == 0).any()):
             raise ValueError("--use-tis needs rollout_log_probs on every trained sample")
         if importance is None:
-            pg, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs, cfg.tis_cap)
+            pg, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs, cfg.tis_cap,
+                                                  cfg.tis_clip_low)
         else:
             pg, pg_mask, tis_stats = importance(pg, old_logp, rollout_logp, m, seq_ids, num_seqs)
         # the correction's own metrics over every loss token (slime: the pre-rejection reducer), so

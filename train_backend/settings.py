@@ -109,6 +109,7 @@ class TrainSettings:
     # truncated importance sampling against the engine's log-probs
     use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
     tis_cap: float = flag(2.0, "cap of the TIS weight", name="--tis-clip")
+    tis_clip_low: float = flag(0.0, "lower bound of the TIS weight (slime's; 0: none)")
     # slime's trainer-side plugins (train_backend/hooks.py); None = not set
     loss_type: str = flag("policy_loss", "custom_loss: --custom-loss-function-path replaces the policy loss",
                           choices=LOSS_TYPES, group=G_HOOKS)
@@ -198,6 +199,9 @@ class TrainSettings:
                                f"{{kl_coef}}={self.kl_coef} has no effect without {{use_kl_loss}}")
         if self.tis_cap <= 0:
             raise SettingError("tis_cap", f"{{tis_cap}}={self.tis_cap} must be > 0")
+        if not 0 <= self.tis_clip_low < self.tis_cap:
+            raise SettingError(("tis_clip_low", "tis_cap"),
+                               f"{{tis_clip_low}}={self.tis_clip_low} must be >= 0 and below {{tis_cap}}={self.tis_cap}")
         if self.rollout_temperature <= 0:
             raise SettingError("rollout_temperature", f"{{rollout_temperature}}={self.rollout_temperature} must be > 0")
 

@@ -1,5 +1,7 @@
 """``slime.backends.megatron_utils.loss``: the helper custom loss functions call on the logits
-they get (``--custom-loss-function-path``, ``train_backend/hooks.py``)."""
+they get (``--custom-loss-function-path``, ``train_backend/hooks.py``), and slime's two TIS
+functions by their slime path (``--custom-tis-function-path
+slime.backends.megatron_utils.loss.icepop_function``)."""
 
 from __future__ import annotations
 
@@ -32,3 +34,33 @@ def get_log_probs_and_entropy(logits: Tensor, *, args: Any, unconcat_tokens: lis
         if with_entropy:
             out["entropy"].append(-(logp_all.exp() * logp_all).sum(-1))
     return None, out
+
+
+def _ratio(train_log_probs: list[Tensor], rollout_log_probs: list[Tensor]) -> Tensor:
+    return torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).detach()  # [N]
+
+
+def vanilla_tis_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor],
+                         rollout_log_probs: list[Tensor], loss_masks: list[Tensor], **_: Any
+                         ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+    """slime's default TIS (``--custom-tis-function-path``'s contract): the policy loss times the
+    train/rollout ratio clipped to ``[args.tis_clip_low, args.tis_clip]``; every token kept. Metrics
+    per token: ``tis`` (the raw ratio), ``tis_clipfrac``, ``tis_abs`` (``|ratio - 1|``). The same
+    weights as the built-in ``--use-tis``."""
+    ratio = _ratio(train_log_probs, rollout_log_probs)
+    weight = ratio.clamp(min=args.tis_clip_low, max=args.tis_clip)
+    return pg_loss * weight, loss_masks, {"tis": ratio, "tis_clipfrac": (weight != ratio).float(),
+                                          "tis_abs": (ratio - 1).abs()}
+
+
+def icepop_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor],
+                    rollout_log_probs: list[Tensor], loss_masks: list[Tensor], **_: Any
+                    ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+    """slime's IcePop: tokens whose train/rollout ratio lies in ``[args.tis_clip_low, args.tis_clip]``
+    weighted by it, the others weighted 0 (their loss masks stay: they still count in the
+    denominators). Metrics as :func:`vanilla_tis_function`'s, ``tis_clipfrac`` the zeroed fraction."""
+    ratio = _ratio(train_log_probs, rollout_log_probs)
+    inside = (ratio >= args.tis_clip_low) & (ratio <= args.tis_clip)
+    weight = torch.where(inside, ratio, torch.zeros_like(ratio))
+    return pg_loss * weight, loss_masks, {"tis": ratio, "tis_clipfrac": (weight != ratio).float(),
+                                          "tis_abs": (ratio - 1).abs()}
