@@ -125,9 +125,10 @@ def fill_slime_args(args: argparse.Namespace, settings: Any) -> argparse.Namespa
 def custom_config(args: argparse.Namespace) -> dict[str, Any]:
     """``--custom-config-path FILE``: the YAML mapping slime sets on ``args`` for custom functions.
 
-    slime overwrites any attribute with it; here a key that names a parsed flag is refused (the
-    run's components were configured from the flags, so plugins would see another value than the
-    one in use). ``ValueError`` names the file and the key."""
+    slime overwrites any attribute with it; here a key that names a parsed flag must hold the value
+    that flag has (slime's ``mis.yaml`` repeats ``use_tis: true`` beside its run script's
+    ``--use-tis``); another value is refused, since the run's components were configured from the
+    flags and plugins would see a value not in use. ``ValueError`` names the file and the key."""
     path = getattr(args, "custom_config_path", None)
     if not path:
         return {}
@@ -144,9 +145,10 @@ def custom_config(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"--custom-config-path {path}: key {key!r} is not an attribute name")
         flag = key.replace("_", "-")
-        if hasattr(args, key) and key != "custom_config_path":
-            raise ValueError(f"--custom-config-path {path}: key {key!r} is the flag --{flag}; set flags on the "
-                             "command line or in --config")
+        if hasattr(args, key) and key != "custom_config_path" and getattr(args, key) != data[key]:
+            raise ValueError(f"--custom-config-path {path}: key {key!r} = {data[key]!r} is the flag --{flag}, "
+                             f"which is {getattr(args, key)!r} in this run; set flags on the command line or "
+                             "in --config")
     return data
 
 

@@ -147,16 +147,23 @@ def test_flags_that_cannot_apply_are_refused_at_start_up(toy_model_dir, tmp_path
     assert msg in capsys.readouterr().err
 
 
-def test_custom_config_key_naming_a_flag_is_refused(toy_model_dir, tmp_path, capsys):
+def test_custom_config_key_naming_a_flag_must_hold_its_value(toy_model_dir, tmp_path, capsys):
+    """slime's mis.yaml repeats ``use_tis: true`` beside ``--use-tis``: accepted; a value the flag
+    does not have in this run is refused, naming both."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from arguments import parse_args
 
+    base = ["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir),
+            "--prompt-data", str(toy_model_dir / "data/train.jsonl"),
+            "--eval-prompt-data", str(toy_model_dir / "data/eval.jsonl")]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("lr: 0.5\n")
     with pytest.raises(SystemExit):
-        parse_args(["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir),
-                    "--custom-config-path", str(cfg)])
-    assert "key 'lr' is the flag --lr" in capsys.readouterr().err
+        parse_args([*base, "--custom-config-path", str(cfg)])
+    assert "key 'lr' = 0.5 is the flag --lr, which is 0.0003 in this run" in capsys.readouterr().err
+    cfg.write_text("use_tis: true\ntis_mode: truncate\n")
+    args = parse_args([*base, "--use-tis", "--custom-config-path", str(cfg)])
+    assert args.use_tis is True
 
 
 def test_low_var_kl_is_slimes_clamped_k3():

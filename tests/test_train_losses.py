@@ -475,7 +475,8 @@ def _slime_policy_loss_with_rejection(logp, old, adv, masks, ent, ref, roll, cfg
     kl_loss = masked((torch.exp(torch.cat(ref) - logp_c) - 1 - (torch.cat(ref) - logp_c)).clamp(-10, 10))
     loss = masked(pg) - cfg.entropy_coef * entropy_loss + cfg.kl_coef * kl_loss
     metrics = {"pg_clipfrac": masked(clipfrac), "ppo_kl": masked(ppo_kl), "entropy": entropy_loss, "kl": kl_loss,
-               "custom_ratio": original(tis_metrics["custom_ratio"])}
+               "custom_ratio": original(tis_metrics["custom_ratio"]), "ois": original(torch.exp(-ppo_kl)),
+               "train_rollout_logp_abs_diff": masked((old_c - roll_c).abs())}
     return loss, metrics
 
 
@@ -485,7 +486,8 @@ def test_a_rejecting_tis_function_masks_every_term_as_slime_does():
     metrics still count every loss token. slime's formulas (written out above) on the same fp64
     inputs; loss, gradient and metrics to 1e-12. (Checked once against slime 624b824's own
     ``policy_loss_function`` on these inputs: every metric equal, the loss 1.7e-10 apart because
-    slime computes the KL in float32.)"""
+    slime computes the KL in float32; and so was slime's own ``mis.py`` with its ``mis.yaml``
+    through ``slime_compat``: its 23 metrics and the policy-gradient loss equal to 1e-16.)"""
     g = torch.Generator().manual_seed(7)
     lens = [4, 6, 3, 5]
     n = sum(lens)
@@ -513,7 +515,8 @@ def test_a_rejecting_tis_function_masks_every_term_as_slime_does():
     assert abs(float(ours - want)) < 1e-12
     assert float((g_ours - g_want).abs().max()) < 1e-12
     assert float(g_ours[~keep].abs().max()) == 0.0  # a rejected token gets no gradient from any term
-    for key in ("pg_clipfrac", "ppo_kl", "entropy", "kl", "custom_ratio"):
+    stats["train_rollout_logp_abs_diff"] = stats["train_rollout_logp_abs_diff"] / stats["_rollout_count"]  # step.py's
+    for key in ("pg_clipfrac", "ppo_kl", "entropy", "kl", "custom_ratio", "ois", "train_rollout_logp_abs_diff"):
         assert abs(float(stats[key] - want_m[key])) < 1e-12, key
 
 

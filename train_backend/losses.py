@@ -28,12 +28,13 @@ if TYPE_CHECKING:
     from buffer.sample import Sample
 
 # The stats of rl_loss by how a step reduces them: means over the step (over its loss tokens, or
-# its samples under seq_mean_token_mean), averaged over optimizer steps; and raw sums over
-# ROLLOUT_TOKENS tokens, divided by their sum over the rollout batch.
+# its samples under seq_mean_token_mean), averaged over optimizer steps; and sums over the tokens
+# (or, under seq_mean_token_mean, of the per-sample means) of the ROLLOUT_COUNT tokens (samples)
+# that have the engine's log-probs, divided by their count over the rollout batch.
 STEP_MEAN_STATS = ("loss", "pg_loss", "pg_clipfrac", TRAIN_PPO_KL.name, TRAIN_KL.name, "entropy", "tis_weight",
-                   "tis", "tis_abs", "tis_clipfrac")
+                   "tis", "tis_abs", "tis_clipfrac", "ois")
 ROLLOUT_SUM_STATS = (TRAIN_ROLLOUT_LOGP_ABS_DIFF.name, TRAIN_ROLLOUT_KL.name)
-ROLLOUT_TOKENS = "_rollout_tokens"
+ROLLOUT_COUNT = "_rollout_count"
 
 # An importance-sampling correction of the per-token policy loss (--use-tis): (pg [N], old_logp
 # [N], rollout_logp [N], mask [N], seq_ids [N], num_seqs) -> (pg [N] corrected, the mask of the
@@ -323,8 +324,9 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     every stat sums over micro-batches and data-parallel ranks: ``loss``/``pg_loss`` and the
     per-token metrics (``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``tis_weight``, ``tis``,
     ``tis_abs``, ``tis_clipfrac``) are already divided by the step's denominators, while
-    ``train_rollout_logp_abs_diff`` and ``train_rollout_kl`` are raw sums over ``ROLLOUT_TOKENS``
-    tokens (the caller divides). The per-token metrics are means over the step's loss tokens,
+    ``train_rollout_logp_abs_diff`` and ``train_rollout_kl`` are sums over the ``ROLLOUT_COUNT``
+    tokens, or per-sample means under ``seq_mean_token_mean``, that have ``rollout_logp`` (the caller
+    divides). The per-token metrics are means over the step's loss tokens,
     except under ``seq_mean_token_mean``: there they are means over its samples of each sample's
     token mean, as slime reports them (its ``sum_of_sample_mean`` unless per-token loss).
 
@@ -357,6 +359,7 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
         # the correction's own metrics over every loss token (slime: the pre-rejection reducer), so
         # a rejected fraction is not driven to 0 by leaving the rejected tokens out
         stats.update({k: aggregate(v.detach(), m, metric_agg, seq_ids, num_seqs, denom) for k, v in tis_stats.items()})
+        stats["ois"] = aggregate(torch.exp(log_ratio).detach(), m, metric_agg, seq_ids, num_seqs, denom)  # slime's
 
     # Everything else sums only the tokens the correction kept (slime rebuilds its reducer with the
     # returned masks: the loss terms, their metrics and the mismatch metric), over the original
@@ -385,9 +388,17 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     if has_rollout:
         rm = rollout_mask.to(m.dtype)  # [N]
         diff = (old_logp - rollout_logp).detach()  # [N]
-        stats[TRAIN_ROLLOUT_LOGP_ABS_DIFF.name] = (diff.abs() * pg_mask * rm).sum()
-        stats[TRAIN_ROLLOUT_KL.name] = (kl_penalty(rollout_logp, old_logp.detach(), "k3") * pg_mask * rm).sum()
-        stats[ROLLOUT_TOKENS] = (m * rm).sum()
+        gaps = {TRAIN_ROLLOUT_LOGP_ABS_DIFF.name: diff.abs(),
+                TRAIN_ROLLOUT_KL.name: kl_penalty(rollout_logp, old_logp.detach(), "k3")}
+        if metric_agg == "seq_mean_token_mean":  # slime's per-sample means, over the samples that have them
+            count = segment_sum(m, seq_ids, num_seqs).clamp(min=1)  # [S]
+            has = segment_sum(m * rm, seq_ids, num_seqs) > 0  # [S]
+            for name, g in gaps.items():
+                stats[name] = (segment_sum(g * pg_mask * rm, seq_ids, num_seqs) / count)[has].sum()
+            stats[ROLLOUT_COUNT] = has.to(m.dtype).sum()
+        else:
+            stats.update({name: (g * pg_mask * rm).sum() for name, g in gaps.items()})
+            stats[ROLLOUT_COUNT] = (m * rm).sum()
     stats["loss"] = loss.detach()
     return loss, stats
 

@@ -25,7 +25,7 @@ from buffer.sample import Sample
 from metric_keys import TRAIN_REWARD_MEAN, TRAIN_TOKENS_PER_S
 from train_backend.batching import PackedMicroBatch, RolloutBatch, balance, begin_train_step
 from train_backend.hooks import TrainHooks
-from train_backend.losses import (ROLLOUT_SUM_STATS, ROLLOUT_TOKENS, STEP_MEAN_STATS, LossConfig, LossDenominators,
+from train_backend.losses import (ROLLOUT_SUM_STATS, ROLLOUT_COUNT, STEP_MEAN_STATS, LossConfig, LossDenominators,
                                   aggregate, count_samples_without_loss_tokens, rl_loss)
 from train_backend.settings import TrainSettings
 
@@ -38,7 +38,7 @@ LogitsOf = Callable[[], Tensor]
 # back-propagates what it returns as is.
 MicroBatchLoss = Callable[[int, LogProbsOf, LogitsOf], Tensor]
 
-_BUILTIN_STATS = STEP_MEAN_STATS + ROLLOUT_SUM_STATS + (ROLLOUT_TOKENS,)
+_BUILTIN_STATS = STEP_MEAN_STATS + ROLLOUT_SUM_STATS + (ROLLOUT_COUNT,)
 
 
 class StepBackend(Protocol):
@@ -283,6 +283,6 @@ class _StatSums:
                 for name, v in part.items():
                     summed[name] = summed.get(name, 0.0) + v
             out.update({name: summed[name] / num_steps for name in sorted(summed) if name[0] != "_"})
-        if total.get(ROLLOUT_TOKENS, 0.0) > 0:
-            out.update({name: total[name] / total[ROLLOUT_TOKENS] for name in ROLLOUT_SUM_STATS})
+        if total.get(ROLLOUT_COUNT, 0.0) > 0:
+            out.update({name: total[name] / total[ROLLOUT_COUNT] for name in ROLLOUT_SUM_STATS})
         return out, values[-1]
