@@ -133,21 +133,3 @@ def _check_raises(source: str, what: str, names: set[str] | None = None) -> None
                 if names is not None:
                     unknown = set(re.findall(r"\{([A-Za-z_]\w*)\}", s.value)) - names
                     assert not unknown, f"placeholders naming no field ({unknown}): {where}"
-
-
-def test_flags_page_is_current():
-    """docs/flags.md is what scripts/flags_doc.py prints from the declarations (a changed flag
-    regenerates it), and lists every flag of both entry points."""
-    from pathlib import Path
-
-    import flags_doc
-    from arguments import build_parser
-
-    import rollout_manager.__main__ as standalone
-
-    page = (Path(__file__).resolve().parents[1] / "docs/flags.md").read_text()
-    assert page == flags_doc.render(), f"docs/flags.md is stale: regenerate it with `{flags_doc.COMMAND}`"
-    for parser in (build_parser(), standalone.build_parser()):
-        missing = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"
-                   and f"`{o}`" not in page]
-        assert missing == [], f"{parser.prog}: flags missing from docs/flags.md: {missing}"
