@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass
 
 from buffer.sample import TRAINABLE as _TRAINABLE
+from flags import SettingError, add_flags, flag, from_args
 from flags.parser import ArgumentParser
 
 from rollout_manager.arguments import (add_arguments, check_input_files, settings_from_args, split_sglang_args,
                                       with_engine_admin_key)
+from rollout_manager.settings import RolloutLoopSettings
 from rollout_manager.summary import format_summary, merge_metrics
 
 
@@ -38,39 +40,42 @@ class RunFailed(RuntimeError):
 
 
 @dataclass
-class CliSettings:
-    """The standalone command's own settings (the launcher has its own loop and flags)."""
+class CliSettings(RolloutLoopSettings):
+    """The standalone command's own settings (the launcher has its own loop and flags); each field
+    declares its flag (:mod:`flags`), ``--num-rollout`` and ``--ray-address`` the launcher's
+    (:class:`~rollout_manager.settings.RolloutLoopSettings`), with :data:`STANDALONE_DEFAULTS`."""
 
-    output: str | None = None  # Parquet file for the groups
-    buffer: str | None = None  # name of a running buffer actor
-    num_rollout: int = 1  # rollout steps
-    ray_address: str = "auto"  # the Ray cluster that runs --buffer
-    log_dir: str | None = None  # engine and router logs (default: a temp dir)
-    evaluate: bool = False  # also run one pass over --eval-prompt-data
+    output: str | None = flag(None, "write the groups to this Parquet file")
+    buffer: str | None = flag(None, "push the groups into this running buffer actor instead")
+    log_dir: str | None = flag(None, "engine and router logs (default: a temp dir)")
+    evaluate: bool = flag(False, "also evaluate --eval-prompt-data")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.output is None) == (self.buffer is None):
+            raise SettingError(("output", "buffer"), "{output} FILE and {buffer} NAME: give exactly one of the two")
+
+
+# The shared flags' defaults for a standalone run (overrides of their one declaration, not a second
+# one): one step is the unit of a look at the rollouts or of a data set written with --output (the
+# launcher's 10 are training steps), and --buffer names an actor of a cluster that is already running
+# (a local cluster started here would not have it).
+STANDALONE_DEFAULTS = {"num_rollout": 1, "ray_address": "auto"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The standalone command's parser: its own flags, then the rollout manager's (as the launcher's)."""
     p = ArgumentParser(prog="python -m rollout_manager", description=__doc__.split("\n\n")[0],
                        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c = CliSettings
-    g = p.add_argument_group("standalone run")
-    g.add_argument("--output", default=c.output, help="write the groups to this Parquet file")
-    g.add_argument("--buffer", default=c.buffer, help="push the groups into this running buffer actor instead")
-    g.add_argument("--num-rollout", type=int, default=c.num_rollout, help="rollout steps")
-    g.add_argument("--ray-address", default=c.ray_address, help="Ray cluster of the --buffer actor")
-    g.add_argument("--log-dir", default=c.log_dir, help="engine and router logs")
-    g.add_argument("--evaluate", action="store_true", default=c.evaluate, help="also evaluate --eval-prompt-data")
+    add_flags(p, CliSettings, "standalone run")
+    p.set_defaults(**STANDALONE_DEFAULTS)
     add_arguments(p)
     return p
 
 
 def cli_settings(args: argparse.Namespace) -> CliSettings:
-    if (args.output is None) == (args.buffer is None):
-        raise ValueError("give exactly one of --output FILE and --buffer NAME")
-    if args.num_rollout < 1:
-        raise ValueError(f"--num-rollout must be >= 1, got {args.num_rollout}")
-    return CliSettings(output=args.output, buffer=args.buffer, num_rollout=args.num_rollout,
-                       ray_address=args.ray_address, log_dir=args.log_dir, evaluate=args.evaluate)
+    """Build (and so check) :class:`CliSettings`; ``ValueError`` names the flags."""
+    return from_args(CliSettings, args)
 
 
 async def run(args: argparse.Namespace, sglang_args: list[str]) -> dict[str, float]:

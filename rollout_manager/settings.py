@@ -269,3 +269,19 @@ class RolloutSettings:
     plugins: PluginSettings = field(default_factory=PluginSettings)
     seed: int = flag(1234, "random seed: the trainer's torch, numpy and random seeds; engine i samples with seed "
                      "+ i", group="rollout: data")
+
+
+@dataclass
+class RolloutLoopSettings:
+    """How many rollout steps an entry point runs and which Ray cluster it joins: declared once
+    here for both entry points, whose own settings extend this class (``LauncherSettings`` in
+    ``scripts/arguments.py``, ``CliSettings`` in ``rollout_manager/__main__.py``, which overrides
+    the defaults for a standalone run and says why). No section of its own: each entry point adds
+    these flags to its own."""
+
+    ray_address: str | None = flag(None, "join this Ray cluster ('auto': the one running on this machine; "
+                                   "none: start a local one)")
+    num_rollout: int = flag(10, "rollout steps, one rollout batch each (the launcher trains on each)")
+
+    def __post_init__(self) -> None:
+        check_bound(self, ">=", 1, "num_rollout")

@@ -22,7 +22,7 @@ from buffer.settings import BufferSettings
 from config import load_config_defaults
 from flags import SettingError, add_flags, check_bound, flag, flag_of, from_args
 from flags.parser import ArgumentParser
-from rollout_manager.settings import EngineFleetSettings, RolloutSettings, SamplingSettings
+from rollout_manager.settings import EngineFleetSettings, RolloutLoopSettings, RolloutSettings, SamplingSettings
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import TrainSettings
 
@@ -30,13 +30,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class LauncherSettings:
+class LauncherSettings(RolloutLoopSettings):
     """The driver's own settings (the loop, checkpoints, logging, debug modes); each field declares
-    its flag (:mod:`flags`)."""
+    its flag (:mod:`flags`). ``--num-rollout`` and ``--ray-address`` come from
+    :class:`~rollout_manager.settings.RolloutLoopSettings` (``python -m rollout_manager`` has them too)."""
 
-    output_dir: str = flag("runs/latest", "metrics.jsonl, TensorBoard events, plots", group="launcher")
-    ray_address: str | None = flag(None, "join this Ray cluster (default: start a local one)")
-    num_rollout: int = flag(10, "training steps (one rollout batch each)")
+    output_dir: str = flag("runs/latest", "metrics.jsonl, TensorBoard events, plots")
     save: str | None = flag(None, "checkpoint directory")
     load: str | None = flag(None, "resume from this checkpoint directory")
     save_interval: int | None = flag(None, "steps between checkpoints")
@@ -67,6 +66,7 @@ class LauncherSettings:
     toy_warmup_steps: int = flag(60, "supervised warm-up steps when --build-toy-model builds it")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         wandb = [f for f in ("wandb_project", "wandb_group", "wandb_key") if getattr(self, f)]
         if wandb and not self.use_wandb:
             raise SettingError((*wandb, "use_wandb"), ", ".join("{" + f + "}" for f in wandb) + " need(s) {use_wandb}")
@@ -79,7 +79,7 @@ class LauncherSettings:
         if self.load_debug_rollout_data and not self.debug_train_only:
             raise SettingError(("load_debug_rollout_data", "debug_train_only"),
                                "{load_debug_rollout_data} is only read with {debug_train_only}")
-        check_bound(self, ">=", 1, "num_rollout", "save_interval", "eval_interval")
+        check_bound(self, ">=", 1, "save_interval", "eval_interval")
         if self.save_interval and not self.save:
             raise SettingError(("save_interval", "save"), "{save_interval} needs {save} (the checkpoint directory)")
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False,  # --num-roll must not pass for --num-rollout
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file of flag defaults (the command line overrides it)")
-    add_flags(p, LauncherSettings)
+    add_flags(p, LauncherSettings, "launcher")
     for module in _part_modules():
         module.add_arguments(p)
     return p

@@ -18,8 +18,9 @@ import rollout_manager.settings
 import train_backend.settings
 from buffer.settings import BufferSettings
 from flags import SettingError, add_flags, flag, from_args
-from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutSettings,
-                                      SamplingSettings)
+from rollout_manager.__main__ import CliSettings
+from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutLoopSettings,
+                                      RolloutSettings, SamplingSettings)
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.settings import TrainSettings
 
@@ -100,7 +101,7 @@ def test_settings_built_in_code_name_the_field():
 
 # Settings classes whose checks name fields (SettingError), never flags written by hand
 _CONVERTED = (TrainSettings, MegatronSettings, BufferSettings, DataSettings, EngineFleetSettings, SamplingSettings,
-              PluginSettings, RolloutSettings, LauncherSettings)
+              PluginSettings, RolloutSettings, RolloutLoopSettings, LauncherSettings, CliSettings)
 
 
 @pytest.mark.parametrize("cls", _CONVERTED, ids=lambda c: c.__name__)

@@ -142,3 +142,27 @@ def test_help_has_text_for_every_option_and_each_section_once(entry_point):
     headings = [line for line in parser.format_help().splitlines() if line and not line[0].isspace()
                 and line.endswith(":")]
     assert len(headings) == len(set(headings))
+
+
+def test_entry_points_declare_each_shared_flag_once():
+    """Issue 24: a flag both entry points take is one declaration: the same help, type, choices and
+    default in both parsers, the default differing only where ``python -m rollout_manager`` overrides
+    it (``STANDALONE_DEFAULTS``, which says why), never by a second declaration."""
+    import rollout_manager.__main__ as rollout_cli
+
+    def options(parser):
+        return {o: a for a in parser._actions for o in a.option_strings if o not in ("-h", "--help")}
+
+    launcher, standalone = (options(p) for p in _entry_point_parsers().values())
+    shared = sorted(launcher.keys() & standalone.keys())
+    assert {"--num-rollout", "--ray-address", "--hf-checkpoint", "--rollout-batch-size"} <= set(shared)
+    for opt in shared:
+        a, b = launcher[opt], standalone[opt]
+        assert (type(a), a.dest, a.help, a.type, a.choices, a.nargs) == \
+            (type(b), b.dest, b.help, b.type, b.choices, b.nargs), f"{opt} is declared twice"
+        want = rollout_cli.STANDALONE_DEFAULTS.get(a.dest, a.default)
+        assert b.default == want, (f"{opt}: default {b.default!r} in python -m rollout_manager, {a.default!r} in "
+                                   "scripts/train.py: declare it once (an override goes in STANDALONE_DEFAULTS)")
+    for dest, value in rollout_cli.STANDALONE_DEFAULTS.items():  # each override is of a shared flag, and needed
+        a = next(a for a in launcher.values() if a.dest == dest)
+        assert a.option_strings[0] in shared and a.default != value, dest
