@@ -167,7 +167,6 @@ def fill_trainer_args(args: argparse.Namespace, settings: Any) -> argparse.Names
     put("tis_clip", settings.tis_cap)
     put("tis_clip_low", settings.tis_clip_low)
     put("use_rollout_logprobs", False)
-    put("get_mismatch_metrics", False)
     put("use_opsm", False)
     put("use_unbiased_kl", False)
     put("max_tokens_per_gpu", settings.max_tokens_per_micro_batch)

@@ -617,3 +617,23 @@ def test_slimes_icepop_function_by_its_slime_path_zeroes_the_tokens_outside_its_
     (grad,) = torch.autograd.grad(loss, [logp])
     assert float(grad[~inside].abs().max()) == 0.0 and float(grad[inside & (mask > 0)].abs().min()) > 0
     assert float(stats["tis_clipfrac"]) == pytest.approx(float(((~inside).to(F64) * mask).sum() / mask.sum()))
+
+
+def test_get_mismatch_metrics_alone_logs_tis_metrics_and_leaves_the_loss_unweighted():
+    """``--get-mismatch-metrics`` without ``--use-tis``: the built-in TIS metrics (and slime's ``ois``)
+    are logged, the loss and its gradient are those of no correction; a custom TIS function's
+    result applies (slime's policy_loss_function calls it under either flag)."""
+    logp, old, roll, adv, mask, seq = _tis_inputs()
+    denom, ones = LossDenominators.of_batch(mask, seq, 3), torch.ones_like(mask)
+    runs = {}
+    for name, kw, fn in (("plain", {}, None), ("metrics", {"get_mismatch_metrics": True}, None),
+                         ("tis", {"use_tis": True}, None), ("custom", {"get_mismatch_metrics": True}, _rejecting_tis)):
+        loss, stats = rl_loss(LossConfig(tis_cap=1.4, **kw), denom, logp, old, adv, mask, seq, 3, rollout_logp=roll,
+                              rollout_mask=ones, importance=fn)
+        runs[name] = (float(loss), torch.autograd.grad(loss, [logp])[0], stats)
+    assert runs["metrics"][0] == runs["plain"][0] and torch.equal(runs["metrics"][1], runs["plain"][1])
+    assert "tis" not in runs["plain"][2]
+    for key in ("tis", "tis_abs", "tis_clipfrac", "tis_weight", "ois"):
+        assert float(runs["metrics"][2][key]) == float(runs["tis"][2][key]), key
+    assert runs["tis"][0] != runs["plain"][0] and runs["custom"][0] != runs["plain"][0]
+    assert "custom_ratio" in runs["custom"][2]

@@ -304,11 +304,13 @@ class LossConfig:
     use_tis: bool = _T.use_tis
     tis_cap: float = _T.tis_cap
     tis_clip_low: float = _T.tis_clip_low
+    get_mismatch_metrics: bool = _T.get_mismatch_metrics
 
     @classmethod
     def from_settings(cls, s: "TrainSettings") -> "LossConfig":
         return cls(s.advantage_estimator == "gspo", s.eps_clip, s.eps_clip_high, s.eps_clip_c, s.loss_agg,
-                   s.use_kl_loss, s.kl_coef, s.kl_loss_type, s.entropy_coef, s.use_tis, s.tis_cap, s.tis_clip_low)
+                   s.use_kl_loss, s.kl_coef, s.kl_loss_type, s.entropy_coef, s.use_tis, s.tis_cap, s.tis_clip_low,
+                   s.get_mismatch_metrics)
 
 
 def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Tensor, advantages: Tensor,
@@ -348,13 +350,15 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     stats: dict[str, Tensor] = {}
     has_rollout = rollout_logp is not None and rollout_mask is not None
     pg_mask = m  # the numerators' tokens: a custom TIS function may reject some
-    if cfg.use_tis:
+    if cfg.use_tis or cfg.get_mismatch_metrics:
         if not has_rollout or bool((rollout_mask[m > 0] == 0).any()):
-            raise ValueError("--use-tis needs rollout_log_probs on every trained sample")
+            flag = "--use-tis" if cfg.use_tis else "--get-mismatch-metrics"
+            raise ValueError(f"{flag} needs rollout_log_probs on every trained sample")
         if importance is None:
-            pg, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs, cfg.tis_cap,
-                                                  cfg.tis_clip_low)
-        else:
+            weighted, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs,
+                                                        cfg.tis_cap, cfg.tis_clip_low)
+            pg = weighted if cfg.use_tis else pg  # --get-mismatch-metrics alone: the metrics, not the weights
+        else:  # a custom function's result applies with either flag (slime's policy_loss_function)
             pg, pg_mask, tis_stats = importance(pg, old_logp, rollout_logp, m, seq_ids, num_seqs)
         # the correction's own metrics over every loss token (slime: the pre-rejection reducer), so
         # a rejected fraction is not driven to 0 by leaving the rejected tokens out

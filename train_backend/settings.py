@@ -110,6 +110,10 @@ class TrainSettings:
     use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
     tis_cap: float = flag(2.0, "cap of the TIS weight", name="--tis-clip")
     tis_clip_low: float = flag(0.0, "lower bound of the TIS weight (slime's; 0: none)")
+    get_mismatch_metrics: bool = flag(False, "log the train/rollout mismatch metrics of TIS (tis, tis_abs, "
+                                      "tis_clipfrac, ois, or a --custom-tis-function-path's own) without --use-tis; "
+                                      "the built-in TIS then leaves the loss unweighted, a custom function's result "
+                                      "applies as in slime")
     # slime's trainer-side plugins (train_backend/hooks.py); None = not set
     loss_type: str = flag("policy_loss", "custom_loss: --custom-loss-function-path replaces the policy loss",
                           choices=LOSS_TYPES, group=G_HOOKS)
@@ -214,10 +218,10 @@ class TrainSettings:
             raise SettingError(("custom_loss_function_path", "loss_type"),
                                f"{{custom_loss_function_path}} {self.custom_loss_function_path} is only called with "
                                "{loss_type} custom_loss (as in slime)")
-        if self.custom_tis_function_path and not self.use_tis:
-            raise SettingError(("custom_tis_function_path", "use_tis"),
+        if self.custom_tis_function_path and not (self.use_tis or self.get_mismatch_metrics):
+            raise SettingError(("custom_tis_function_path", "use_tis", "get_mismatch_metrics"),
                                f"{{custom_tis_function_path}} {self.custom_tis_function_path} replaces the TIS "
-                               "weights and is only called with {use_tis}")
+                               "weights and is only called with {use_tis} or {get_mismatch_metrics}")
         if self.loss_type == "custom_loss":
             for field in ("custom_tis_function_path", "custom_pg_loss_reducer_function_path"):
                 path = getattr(self, field)
