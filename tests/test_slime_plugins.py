@@ -75,6 +75,24 @@ def test_slime_imports_resolve_to_reservoir_and_sample_is_the_same_class():
         import slime.agent  # noqa: F401  (not provided: named in the error)
 
 
+def test_slimes_context_parallel_helpers_are_the_one_rank_case():
+    """What slime's mis.py imports lazily (``slime.backends.megatron_utils.cp_utils``): without
+    context parallelism each rank holds whole sequences, so gathering and slicing hand the values
+    back; a slice of the wrong length is refused, as slime asserts."""
+    import torch
+
+    import slime_compat
+
+    assert slime_compat.install()
+    from slime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
+
+    x = torch.arange(5.0)
+    assert all_gather_with_cp(x, 9, 5) is x and slice_log_prob_with_cp(x, 9, 5) is x
+    assert slice_log_prob_with_cp([0.5, 0.25], 4, 2) == [0.5, 0.25]
+    with pytest.raises(ValueError, match="4 values for a response of 5 tokens"):
+        slice_log_prob_with_cp(x[:4], 9, 5)
+
+
 def test_a_real_slime_is_not_shadowed(tmp_path):
     fake = tmp_path / "site" / "slime" / "utils"
     fake.mkdir(parents=True)
