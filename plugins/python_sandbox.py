@@ -129,8 +129,8 @@ class ToolResult:
 
     ``exit_code`` is the process's: 0 success, 1 an uncaught exception, negative a signal
     (``-signal.SIGKILL`` after our kill). ``killed_reason``: None (the code ended by itself),
-    "timeout", "output" (over ``output_bytes``), "cpu" (``RLIMIT_CPU``), "cancelled" (the caller
-    was cancelled), or "signal NAME" for any other fatal signal. ``wall_s`` is the process's wall
+    "timeout", "output" (over ``output_bytes``), "cpu" (``RLIMIT_CPU``), or "signal NAME" for any
+    other fatal signal (a cancelled call kills the code and raises ``CancelledError``). ``wall_s`` is the process's wall
     time; ``network_isolated`` says whether it ran without network.
     """
 
@@ -165,10 +165,13 @@ async def _probe_netns(python: str) -> list[str]:
             proc = await asyncio.create_subprocess_exec(
                 *prefix, python, "-I", "-c", check, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=_base_env("/"))
+        except OSError:
+            continue
+        try:
             if await asyncio.wait_for(proc.wait(), 10) == 0:
                 return prefix
-        except (OSError, asyncio.TimeoutError):
-            continue
+        except asyncio.TimeoutError:
+            proc.kill()
     return []
 
 
@@ -318,7 +321,8 @@ class PythonSandbox:
             wall = time.monotonic() - start
             # The main process has ended: whatever it started goes too (and closes the pipes it
             # holds, so reading ends now rather than at the wall limit). The group id stays
-            # reserved while any member lives, so this cannot hit an unrelated process group.
+            # reserved while any member lives; once none does, only a new group leader that got
+            # the same pid in the microseconds since could be hit: a race we accept.
             _kill_group(proc.pid)
             await asyncio.wait(pumps, timeout=_KILL_GRACE_S)
         except BaseException:  # cancelled (e.g. the custom generate's timeout): no orphans left
