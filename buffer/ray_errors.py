@@ -1,8 +1,8 @@
-"""Reading Ray's actor errors: the one home of that, for every part that starts Ray actors.
+"""Reading Ray's errors: the one home of that, for every part that starts or calls Ray actors.
 
 It sits in ``buffer`` because that is the lowest Ray-aware package: the rollout manager, the trainer
-group and weight_sync all import it already (``buffer.sample``, ``buffer.retry``), so none of them
-has to import another for this.
+group, weight_sync and the launcher's scripts all import it already (``buffer.sample``,
+``buffer.retry``), so none of them has to import another for this.
 """
 
 from __future__ import annotations
@@ -18,3 +18,13 @@ def creation_setting_error(e: BaseException) -> ValueError | None:
     # ValueError's message so the caller reports it as a setting error
     messages = [line.split("ValueError: ", 1)[1] for line in str(e).splitlines() if "ValueError: " in line]
     return ValueError(messages[-1]) if messages else None
+
+
+def error_line(e: BaseException) -> str:
+    """One line saying what failed: for an exception Ray wraps (a ``RayTaskError``, whose first
+    line only names the remote task) the remote exception's, with its type."""
+    inner = e
+    while isinstance(getattr(inner, "cause", None), BaseException) and inner.cause is not inner:
+        inner = inner.cause
+    first = (str(inner).strip().splitlines() or [""])[0]
+    return first if inner is e and first else f"{type(inner).__name__}: {first}"

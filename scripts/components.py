@@ -557,16 +557,6 @@ def _side_by_side(calls: list[Callable[[], None]]) -> None:
             raise e
 
 
-def error_line(e: BaseException) -> str:
-    """One line saying what failed: for an exception Ray wraps (a ``RayTaskError``, whose first
-    line only names the remote task) the remote exception's, with its type."""
-    inner = e
-    while isinstance(getattr(inner, "cause", None), BaseException) and inner.cause is not inner:
-        inner = inner.cause
-    first = (str(inner).strip().splitlines() or [""])[0]
-    return first if inner is e and first else f"{type(inner).__name__}: {first}"
-
-
 def _kill_actor(actor: Any, timeout_s: float = 60.0) -> None:
     """End an actor's process now (``ray.kill``) and return once Ray reports it dead, so the next
     call to it fails as a dead process's would (the kill itself is asynchronous)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from buffer.ray_errors import error_line
 from buffer.retry import call_buffer
 
 _VERSION_POLL_S = 1.0  # how long one wait for the weight version lasts before looking at stop()
@@ -75,8 +76,6 @@ class AsyncProducer:
     def check(self) -> None:
         """Raise the producer's error, if it failed."""
         if self._error is not None:
-            from components import error_line  # (components imports this module)
-
             raise RuntimeError(f"async rollout producer failed: {error_line(self._error)}") from self._error
 
     def drain_metrics(self) -> list[dict[str, float]]:

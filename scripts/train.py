@@ -22,7 +22,8 @@ from arguments import parse  # noqa: E402
 
 def main(argv: list[str] | None = None) -> Path:
     args, settings = parse(argv)  # args: only what plugins get; the run reads settings. Checks the input files
-    from components import Run, error_line  # after parse: its imports (torch) are slow, a usage error is not
+    from buffer.ray_errors import error_line
+    from components import Run  # after parse: its imports (torch) are slow, a usage error is not
 
     try:
         run = Run.start(args, settings)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume

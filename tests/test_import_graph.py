@@ -1,11 +1,14 @@
-"""The import graph of our packages, read with ``ast`` (nothing is imported): no circles between
-modules nor between packages, each package imports only the layers below it, except the upward
-edges listed (and justified) here and in docs/architecture.md ("Layers and import rules"), and no
+"""The import graph of our packages and of ``scripts/``, read with ``ast`` (nothing is imported): no
+circle at all, of any length, between modules nor between packages; each package imports only the
+layers below it, except the upward edges listed here with their reason (and that reason written
+as a comment next to the import, and in docs/architecture.md, "Layers and import rules"); and no
 package imports a private name (``_x``) of another: what crosses a package line is public API
 (slime_compat reaches the rollout manager through ``rollout_manager.plugin_api``).
 
 An import inside ``if TYPE_CHECKING:`` is not an edge (it never runs); an import inside a function
 is one (it runs when the function does, and a circle through it still breaks a partial import).
+``scripts/`` is on ``sys.path`` (its modules import each other by bare name: ``from producer
+import ...``), so a bare name that is no package of ours but a file of ``scripts/`` is that file.
 """
 
 from __future__ import annotations
@@ -28,16 +31,16 @@ LAYERS = {
     "train_backend": 3,  # its trainer group owns the WeightSender (weight_sync)
     "slime_compat": 4,  # slime's import paths, answered with everything below
     "examples": 5,  # user code (plugins loaded by path): imports anything, imported by none
+    "scripts": 6,  # the launcher and its tools: imports anything, imported by no package
 }
+#: Directories of top-level modules (on ``sys.path``, imported by bare name), not packages.
+FLAT = ("scripts",)
 
-#: Upward edges ``(importing module, imported module) -> why``; each must still exist. None left:
-#: what lower packages took from slime_compat (the ``slime`` alias, slime's ``args`` names) lives in
-#: plugins/, and the example plugin in examples/.
+#: Upward edges ``(importing module, imported module) -> why``; each must still exist, and each of
+#: its import statements must carry a comment saying why (on its line or the line above). None
+#: left: what lower packages took from slime_compat (the ``slime`` alias, slime's ``args`` names)
+#: lives in plugins/, and the example plugin in examples/.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
-
-#: Circles that exist and must go (each listed so that a new one fails, and a fixed one is removed
-#: from here). None left.
-KNOWN_CIRCLES: list[set[str]] = []
 
 
 def module_files(root: Path, packages) -> dict[str, Path]:
@@ -52,18 +55,23 @@ def module_files(root: Path, packages) -> dict[str, Path]:
     return out
 
 
-def _resolve(name: str, modules) -> str | None:
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name or None
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The module of ours that the dotted ``name`` (a module, or a name in one) is, else None: a
+    package or module first, else a bare name of one of the ``FLAT`` directories."""
+    for candidate in (name, *(f"{d}.{name}" for d in FLAT)):
+        while candidate and candidate not in modules:
+            candidate = candidate.rpartition(".")[0]
+        if candidate and candidate not in FLAT:
+            return candidate
+    return None
 
 
-def import_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """``module -> modules of ours it imports`` (TYPE_CHECKING blocks skipped)."""
-    edges: dict[str, set[str]] = {}
+def import_sites(modules: dict[str, Path]) -> dict[tuple[str, str], list[int]]:
+    """``(module, module of ours it imports) -> the lines of those imports`` (TYPE_CHECKING blocks
+    skipped; imports inside functions, classes, ``try`` or ``if`` included)."""
+    sites: dict[tuple[str, str], list[int]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        out: set[str] = set()
         todo = list(ast.parse(path.read_text(), str(path)).body)
         while todo:
             node = todo.pop()
@@ -82,9 +90,16 @@ def import_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
             for t in targets:
                 hit = _resolve(t, modules)
                 if hit is not None and hit != name:
-                    out.add(hit)
+                    sites.setdefault((name, hit), []).append(node.lineno)
             todo.extend(ast.iter_child_nodes(node))
-        edges[name] = out
+    return sites
+
+
+def import_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """``module -> modules of ours it imports`` (see :func:`import_sites`)."""
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for src, dst in import_sites(modules):
+        edges[src].add(dst)
     return edges
 
 
@@ -134,27 +149,43 @@ def _graph() -> dict[str, set[str]]:
     return import_edges(module_files(ROOT, LAYERS))
 
 
-def test_no_import_circles_but_the_known_ones():
+def test_the_graph_covers_every_package_and_scripts():
+    modules = module_files(ROOT, LAYERS)
+    assert {m.split(".")[0] for m in modules} == set(LAYERS)
+    on_disk = {p.name for p in ROOT.iterdir() if p.is_dir() and ((p / "__init__.py").exists() or p.name in FLAT)}
+    assert on_disk - {"tests", "bench"} <= set(LAYERS), f"packages without a layer: {on_disk - set(LAYERS)}"
+    assert "scripts.producer" in _graph()["scripts.components"]  # a bare-name import between scripts
+
+
+def test_no_import_circles():
     found = circles(_graph())
-    new = [sorted(c) for c in found if c not in KNOWN_CIRCLES]
-    assert not new, f"import circles (break them; see docs/architecture.md): {new}"
-    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in found]
-    assert not gone, f"no longer circles, remove them from KNOWN_CIRCLES: {gone}"
+    assert not found, (f"modules that import each other (function-local imports count; move the shared piece "
+                       f"down, or pass it as an argument): {[sorted(c) for c in found]}")
+
+
+def upward_imports(modules: dict[str, Path], allowed: dict[tuple[str, str], str]) -> tuple[list[str], list[str]]:
+    """Imports of a layer not below: those not in ``allowed`` and those in it without a comment on
+    their line or the one above (the reason, written where the import is); then ``allowed`` entries
+    no longer in the code."""
+    bad, used = [], set()
+    for (src, dst), lines in sorted(import_sites(modules).items()):
+        a, b = src.split(".")[0], dst.split(".")[0]
+        if a == b or LAYERS[b] < LAYERS[a]:
+            continue
+        if (src, dst) not in allowed:
+            bad.append(f"{src} -> {dst}")
+            continue
+        used.add((src, dst))
+        text = modules[src].read_text().splitlines()
+        for n in lines:
+            if "#" not in text[n - 1] and not (n > 1 and text[n - 2].strip().startswith("#")):
+                bad.append(f"{src}:{n} -> {dst}: no comment saying why")
+    return bad, sorted(set(allowed) - used)
 
 
 def test_packages_import_only_lower_layers_or_the_listed_upward_edges():
-    bad, used = [], set()
-    for src, targets in _graph().items():
-        for dst in targets:
-            a, b = src.split(".")[0], dst.split(".")[0]
-            if a == b or LAYERS[b] < LAYERS[a]:
-                continue
-            if (src, dst) in ALLOWED_UPWARD:
-                used.add((src, dst))
-            else:
-                bad.append(f"{src} -> {dst}")
+    bad, stale = upward_imports(module_files(ROOT, LAYERS), ALLOWED_UPWARD)
     assert not bad, f"imports of a layer not below (docs/architecture.md, 'Layers and import rules'): {bad}"
-    stale = sorted(set(ALLOWED_UPWARD) - used)
     assert not stale, f"ALLOWED_UPWARD entries no longer in the code (remove them): {stale}"
 
 
@@ -209,6 +240,12 @@ def test_the_walker_finds_a_circle_through_a_function_import_and_skips_type_chec
     edges = import_edges(module_files(tmp_path, ["pkg"]))
     assert edges["pkg.b"] == {"pkg.a"} and edges["pkg.c"] == set() and edges["pkg.d"] == {"pkg.c"}
     assert circles(edges) == [{"pkg.a", "pkg.b"}]
+    (pkg / "e.py").write_text("import pkg.f\n")  # a longer circle, through a class body and a try
+    (pkg / "f.py").write_text("class C:\n    def m(self):\n        try:\n            from pkg import g\n"
+                              "        except ImportError:\n            pass\n")
+    (pkg / "g.py").write_text("def f():\n    if True:\n        import pkg.e\n")
+    found = circles(import_edges(module_files(tmp_path, ["pkg"])))
+    assert sorted(map(sorted, found)) == [["pkg.a", "pkg.b"], ["pkg.e", "pkg.f", "pkg.g"]]
     pkg_edges = package_edges({"a.x": {"b.y"}, "b.y": set(), "b.z": {"a.w"}, "a.w": set()})
     assert pkg_edges == {"a": {"b"}, "b": {"a"}} and circles(pkg_edges) == [{"a", "b"}]
 
@@ -220,3 +257,21 @@ def test_private_names_across_packages_are_found(tmp_path):
         (tmp_path / pkg / "__init__.py").write_text(body)
     found = private_imports(module_files(tmp_path, ["flags", "buffer", "plugins"]))
     assert sorted(found) == ["buffer: flags._hidden", "plugins: flags._impl.x"]
+
+
+def test_bare_names_of_scripts_and_upward_imports_without_a_reason_are_found(tmp_path, monkeypatch):
+    for pkg in ("flags", "buffer"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "one.py").write_text("import flags\nimport two\n")
+    (tmp_path / "scripts" / "two.py").write_text("def f():\n    from one import x\n")
+    (tmp_path / "flags" / "up.py").write_text("import buffer  # the reason\n\ndef f():\n    import buffer\n")
+    (tmp_path / "buffer" / "up.py").write_text("def f():\n    import scripts_not_ours\n    from one import y\n")
+    modules = module_files(tmp_path, ["flags", "buffer", "scripts"])
+    edges = import_edges(modules)
+    assert edges["scripts.one"] == {"flags", "scripts.two"} and edges["buffer.up"] == {"scripts.one"}
+    assert circles(edges) == [{"scripts.one", "scripts.two"}]
+    bad, stale = upward_imports(modules, {("flags.up", "buffer"): "a reason", ("flags", "buffer"): "gone"})
+    assert bad == ["buffer.up -> scripts.one", "flags.up:4 -> buffer: no comment saying why"]
+    assert stale == [("flags", "buffer")]

@@ -16,13 +16,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
-from sglang_protocol.client import EngineClient, EngineError
-from weight_sync.interfaces import TensorSpec, WeightSyncSettings
+from sglang_protocol.client import EngineClient, EngineError, normalize_url
+from weight_sync.interfaces import Named, TensorSpec, WeightSyncSettings
 from weight_sync.link import PushFailed
+from weight_sync.plan import check_against_engine
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+#: A call made of every engine: ``call(client)``.
+Call = Callable[[EngineClient], Awaitable[Any]]
 
 
 @dataclass
@@ -40,6 +44,19 @@ class EngineState:
     alive: bool = True
     version: int | None = None  # last version this engine fully received
     errors: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def of(url: str, settings: WeightSyncSettings) -> "EngineState":
+        """A new engine at ``url`` (one GPU until its count is known), with a client of ``settings``."""
+        client = EngineClient(url, timeout=settings.timeout_s, api_key=settings.api_key,
+                              admin_api_key=settings.admin_api_key)
+        return EngineState(normalize_url(url), 1, client, check_equal=settings.check_equal)
+
+    def validate(self, specs: list[TensorSpec]) -> None:
+        """ValueError naming the first tensor of a push (``specs``) this engine cannot take (nothing
+        to check where it does not list its parameters)."""
+        if self.params is not None:
+            check_against_engine(specs, self.params, self.url, self.tied, self.complete)
 
 
 async def fetch_params(e: EngineState, timeout_s: float) -> None:
@@ -97,7 +114,7 @@ async def _probe_readback(e: EngineState, timeout_s: float) -> None:
     e.check = "readback"
 
 
-async def call_all(members: list[EngineState], call, what: str) -> list:
+async def call_all(members: list[EngineState], call: Call, what: str) -> list[Any]:
     """``call(client)`` on every member concurrently; PushFailed naming each engine that failed."""
     outs = await asyncio.gather(*(call(e.client) for e in members), return_exceptions=True)
     failed = {}
@@ -111,7 +128,50 @@ async def call_all(members: list[EngineState], call, what: str) -> list:
     return outs
 
 
-async def check_equal(members: list[EngineState], named, timeout_s: float,
+async def gpu_count(e: EngineState) -> int:
+    """Engine ``e``'s GPUs from its ``/server_info``; RuntimeError naming it when that cannot be read."""
+    try:
+        return await e.client.gpu_count()
+    except Exception as err:
+        raise RuntimeError(f"engine {e.url}: cannot read /server_info for its GPU count (pass engine_gpus): "
+                           f"{err}") from err
+
+
+_SESSION_OPEN = "a weight-update session is already open"  # SGLang's refusal of a second begin
+
+
+async def begin_session(members: list[EngineState], timeout_s: float, session: bool = True) -> None:
+    """``/begin_weight_update`` on every member (none unless ``session``; SGLang >= 0.5.22 loads
+    weights only inside that session, an older server answers 404: none needed). One that refuses
+    because a session is already open (a trainer before this one died inside a push: engines given by
+    --engine-urls outlive it) gets that session closed and is asked once more; PushFailed naming
+    each engine that still fails."""
+    if not session:
+        return
+    try:
+        await call_all(members, lambda c: c.begin_weight_update(timeout_s), "begin_weight_update")
+    except PushFailed as e:
+        stale = [m for m in members if _SESSION_OPEN in e.failed.get(m.url, "")]
+        if not stale or len(stale) < len(e.failed):
+            raise
+        for m in stale:
+            logger.warning("engine %s had a weight-update session open (a previous trainer stopped inside a "
+                           "push); closing it", m.url)
+        await call_all(stale, lambda c: c.end_weight_update(timeout_s), "end_weight_update")
+        await call_all(stale, lambda c: c.begin_weight_update(timeout_s), "begin_weight_update")
+
+
+async def end_session(members: list[EngineState], timeout_s: float, then_continue: bool = False,
+                      session: bool = True) -> None:
+    """``/end_weight_update`` on every member (a 404 from an older server is fine; none unless
+    ``session``), then ``/continue_generation`` if asked; PushFailed naming each engine that failed."""
+    if session:
+        await call_all(members, lambda c: c.end_weight_update(timeout_s), "end_weight_update")
+    if then_continue:
+        await call_all(members, lambda c: c.continue_generation(), "continue_generation")
+
+
+async def check_equal(members: list[EngineState], named: Named, timeout_s: float,
                       sent: list[TensorSpec] | None = None) -> float:
     """Compare every engine's weights with the trainer's ``named`` (RuntimeError naming the tensor and
     the engine on a mismatch); ``sent``: the specs the tensors were pushed with (a tensor cast at the
@@ -128,7 +188,8 @@ async def check_equal(members: list[EngineState], named, timeout_s: float,
     return time.perf_counter() - t
 
 
-async def _compare_checksums(members: list[EngineState], named, dtypes: dict[str, str], timeout_s: float) -> None:
+async def _compare_checksums(members: list[EngineState], named: Named, dtypes: dict[str, str],
+                             timeout_s: float) -> None:
     from sglang_protocol.buckets import parse_dtype, tensor_checksum
 
     loop = asyncio.get_running_loop()
@@ -155,7 +216,7 @@ def readback_rows(t: "torch.Tensor") -> int:
     return max(1, min(t.shape[0], READBACK_ELEMENTS // row))
 
 
-async def _compare_readback(e: EngineState, named, dtypes: dict[str, str], timeout_s: float) -> None:
+async def _compare_readback(e: EngineState, named: Named, dtypes: dict[str, str], timeout_s: float) -> None:
     """SGLang's ``/get_weights_by_name`` for every pushed tensor, compared exactly with the
     trainer's (cast as pushed, then to float32 as SGLang answers: exact for fp32/bf16/fp16).
 
@@ -185,7 +246,7 @@ async def _compare_readback(e: EngineState, named, dtypes: dict[str, str], timeo
     await asyncio.gather(*(one(n, t) for n, t in named))
 
 
-def _readback_mismatch(t: "torch.Tensor", dtype: str | None, got, rows: int, sharded: bool) -> str | None:
+def _readback_mismatch(t: "torch.Tensor", dtype: str | None, got: Any, rows: int, sharded: bool) -> str | None:
     """Why the engine's read-back ``got`` (nested lists) differs from the trainer's ``t``; None if equal."""
     import torch
 
@@ -276,10 +337,10 @@ class EngineMemory:
         return self.settings.timeout_s
 
     @staticmethod
-    def _run(coro):
+    def _run(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
 
-    async def _each(self, urls: list[str], what: str, call) -> list[str]:
+    async def _each(self, urls: list[str], what: str, call: Call) -> list[str]:
         """``call(client)`` on every engine in ``urls`` at once; the urls it succeeded on."""
         s = self.settings
 

@@ -22,6 +22,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 #: What a push consumes: ``(hf_name, full tensor)`` pairs, e.g. ``backend.named_hf_weights()``.
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+#: The same, as a list (a push holds them all: validation needs them before anything is sent).
+Named = list[tuple[str, "torch.Tensor"]]
 
 
 @runtime_checkable

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.transports.base import Mark, Transport
 from weight_sync.transports.disk import DiskTransport, PostWrite
@@ -16,11 +18,19 @@ from weight_sync.transports.distributed import DistributedTransport
 from weight_sync.transports.tensor import TensorTransport
 
 
-def make_transport(settings: WeightSyncSettings, mark: Mark, post_write: PostWrite | None = None,
-                   auto_format: bool = False) -> Transport:
-    """The transport of ``settings.transport`` (resolved: not ``auto``). ``post_write``: the disk
-    transport's hook; ``auto_format``: the load format was ``auto`` (the tensor transport falls back
-    from ``mapped`` to flattened buckets where an engine does not allow its loader)."""
+def make_transport(settings: WeightSyncSettings, mark: Mark, post_write: PostWrite | None = None) -> Transport:
+    """The transport of ``settings.transport``, holding a copy of ``settings`` with ``transport`` and
+    ``load_format`` resolved (``auto``: the launcher resolves it; used alone, ``distributed``, the one
+    that works anywhere). The caller shares that copy (``transport.settings``). ``post_write``: the
+    disk transport's hook (ValueError with another transport). A load format given as ``auto`` lets
+    the tensor transport fall back from ``mapped`` to flattened buckets where an engine does not
+    allow its loader."""
+    auto_format = settings.load_format == "auto"
+    settings = dataclasses.replace(settings, transport=settings.resolved_transport(),
+                                   load_format=settings.resolved_load_format())
+    if post_write is not None and settings.transport != "disk":
+        raise ValueError(f"post_write (--custom-update-weight-post-write-path) runs after the disk transport "
+                         f"writes a version; transport is {settings.transport!r}")
     if settings.transport == "distributed":
         return DistributedTransport(settings, mark)
     if settings.transport == "tensor":

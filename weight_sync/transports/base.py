@@ -26,14 +26,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
-import torch
-
 from weight_sync.engines import EngineState
-from weight_sync.interfaces import TensorSpec, WeightSyncSettings
+from weight_sync.interfaces import Named, TensorSpec, WeightSyncSettings
 from weight_sync.plan import Bucket, plan_buckets
 
-#: A push's tensors, as a list: ``(hf_name, full tensor)``.
-Named = list[tuple[str, torch.Tensor]]
 #: ``progress(done, total)``, called after each bucket.
 Progress = Callable[[int, int], None]
 #: ``mark(event, bucket index or -1)``: records the push's timeline (``WeightSender.trace``).
@@ -58,6 +54,12 @@ class Payload:
     def nbytes(self) -> int:
         """What the engines read: the buckets, and the held tensors as the trainer holds them."""
         return sum(b.nbytes for b in self.buckets) + sum(self.named[i][1].nbytes for i in self.held)
+
+    def cast_tensors(self, specs: list[TensorSpec], sent: list[TensorSpec]) -> int:
+        """How many tensors are cast while their bucket is packed (``specs``: as given, ``sent``: as
+        they travel); held tensors travel as they are: the engine casts them while copying."""
+        held = set(self.held)
+        return sum(a.dtype != b.dtype for i, (a, b) in enumerate(zip(specs, sent)) if i not in held)
 
 
 class Transport:

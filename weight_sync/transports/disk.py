@@ -21,7 +21,12 @@ PostWrite = Callable[[str, list[str]], None]
 
 
 class DiskTransport(Transport):
-    """An HF checkpoint per version, loaded by each engine from its path."""
+    """An HF checkpoint per version, loaded by each engine from its path.
+
+    ``post_write(version_dir, engine_urls)`` (slime's ``--custom-update-weight-post-write-path``,
+    bound by ``weight_sync.arguments.load_post_write_hook``, given to ``WeightSender``) runs in a
+    worker thread once a version's directory is complete, before any engine is asked to load it; if
+    it raises, the push fails naming the flag and no engine loads that version."""
 
     sessions = False
 

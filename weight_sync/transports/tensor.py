@@ -30,10 +30,10 @@ import torch
 
 from sglang_protocol import held_weights, tensor_update
 from weight_sync.engines import EngineState
-from weight_sync.interfaces import TensorSpec, WeightSyncSettings
+from weight_sync.interfaces import Named, TensorSpec, WeightSyncSettings
 from weight_sync.link import TensorChannel, send_tensor_bucket
 from weight_sync.plan import plan_buckets
-from weight_sync.transports.base import (Mark, Named, Payload, Progress, Resume, Transport, last_bucket, send_buckets,
+from weight_sync.transports.base import (Mark, Payload, Progress, Resume, Transport, last_bucket, send_buckets,
                                          start_packing)
 
 logger = logging.getLogger(__name__)
