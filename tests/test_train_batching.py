@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from buffer.sample import Sample, Status
+from flags import SettingError
 from train_backend import TrainSettings
 from train_backend.arguments import add_arguments, settings_from_args
 from train_backend.batching import (balance, pack, plan_micro_batches, prepare_batch, split_steps,
@@ -148,3 +149,23 @@ def test_lr_schedule():
     assert learning_rate(s, 12) == pytest.approx(0.1) and learning_rate(s, 100) == pytest.approx(0.1)
     lin = TrainSettings(hf_checkpoint="m", lr=1.0, lr_decay_style="linear", lr_decay_steps=4)
     assert [learning_rate(lin, i) for i in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+def test_lr_schedule_wsd_is_megatrons():
+    """WSD (Megatron's OptimizerParamScheduler.get_lr): --lr until lr_decay_steps - wsd_decay_steps,
+    then each --lr-wsd-decay-style's coefficient of the decay ratio, --min-lr past the end."""
+    coeff = {"linear": lambda r: 1.0 - r, "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+             "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0, "minus_sqrt": lambda r: 1.0 - math.sqrt(r)}
+    for style, f in coeff.items():
+        s = TrainSettings(hf_checkpoint="m", lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="WSD",
+                          lr_decay_steps=12, lr_wsd_decay_steps=4, lr_wsd_decay_style=style)
+        assert [learning_rate(s, i) for i in (0, 1)] == [0.5, 1.0]
+        assert all(learning_rate(s, i) == 1.0 for i in range(2, 9)), style
+        for i in range(9, 13):
+            assert learning_rate(s, i) == pytest.approx(0.1 + 0.9 * f((i - 8) / 4)), (style, i)
+        assert learning_rate(s, 100) == pytest.approx(0.1)
+    assert TrainSettings(hf_checkpoint="m", lr_decay_style="WSD", lr_decay_steps=8,
+                         lr_wsd_decay_steps=8).lr_wsd_decay_style == "exponential"  # Megatron's default
+    for bad in (None, 0, 9):
+        with pytest.raises(SettingError, match="WSD needs 0 < lr_wsd_decay_steps <= lr_decay_steps"):
+            TrainSettings(hf_checkpoint="m", lr_decay_style="WSD", lr_decay_steps=8, lr_wsd_decay_steps=bad)

@@ -22,7 +22,8 @@ LOSS_TYPES = ("policy_loss", "custom_loss")  # custom_loss: --custom-loss-functi
 OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer; adam is AdamW (decoupled weight decay)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")  # Megatron's names (WSD: warm-up, stable, decay)
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # Megatron's --lr-wsd-decay-style
 DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
 
 
@@ -49,9 +50,14 @@ class TrainSettings:
     min_lr: float = flag(0.0, "learning rate at the end of a linear or cosine decay")
     lr_warmup_steps: int = flag(0, "optimizer steps of linear warm-up", name="--lr-warmup-iters")
     lr_decay_style: str = flag("constant", "after warm-up: constant --lr, or a linear or cosine decay to --min-lr "
-                               "over --lr-decay-iters", choices=LR_DECAY_STYLES)
-    lr_decay_steps: int | None = flag(None, "optimizer steps to decay to --min-lr (linear/cosine)",
+                               "over --lr-decay-iters; WSD (Megatron's): --lr until the last --lr-wsd-decay-iters "
+                               "steps before --lr-decay-iters, then a decay to --min-lr", choices=LR_DECAY_STYLES)
+    lr_decay_steps: int | None = flag(None, "optimizer steps to decay to --min-lr (linear/cosine/WSD)",
                                       name="--lr-decay-iters")
+    lr_wsd_decay_steps: int | None = flag(None, "WSD: optimizer steps of the decay, the last ones before "
+                                          "--lr-decay-iters", name="--lr-wsd-decay-iters")
+    lr_wsd_decay_style: str = flag("exponential", "WSD: the decay's shape (Megatron's; its default)",
+                                   choices=LR_WSD_DECAY_STYLES)
     optimizer: str = flag("adam", "adam: AdamW (decoupled weight decay, Megatron's adam); sgd: SGD with momentum "
                           "0.9 (Megatron's default --sgd-momentum)", choices=OPTIMIZERS)
     weight_decay: float = flag(0.0, "decoupled weight decay (AdamW's)")
@@ -159,6 +165,7 @@ class TrainSettings:
         choice("loss_agg", LOSS_AGGREGATIONS)
         choice("kl_loss_type", KL_LOSS_TYPES)
         choice("lr_decay_style", LR_DECAY_STYLES)
+        choice("lr_wsd_decay_style", LR_WSD_DECAY_STYLES)
         choice("dtype", DTYPES)
         choice("optimizer", OPTIMIZERS)
         choice("loss_type", LOSS_TYPES)
@@ -179,6 +186,11 @@ class TrainSettings:
         if self.lr_decay_style != "constant" and (self.lr_decay_steps is None or self.lr_decay_steps <= 0):
             raise SettingError(("lr_decay_style", "lr_decay_steps"),
                                f"{{lr_decay_style}}={self.lr_decay_style} needs {{lr_decay_steps}} > 0")
+        if self.lr_decay_style == "WSD" and not (self.lr_wsd_decay_steps is not None
+                                                 and 0 < self.lr_wsd_decay_steps <= self.lr_decay_steps):
+            raise SettingError(("lr_decay_style", "lr_wsd_decay_steps"),
+                               f"{{lr_decay_style}}=WSD needs 0 < {{lr_wsd_decay_steps}} <= {{lr_decay_steps}} "
+                               f"(got {self.lr_wsd_decay_steps} and {self.lr_decay_steps})")
         if self.clip_grad < 0:
             raise SettingError("clip_grad", f"{{clip_grad}}={self.clip_grad} must be >= 0 (0 = no clipping)")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
