@@ -47,7 +47,7 @@ class TrainSettings:
                         "(TP/PP/DP)", name="--train-backend", choices=BACKENDS, group=G_OPT)
     # optimizer and schedule (optimizer steps, not rollouts)
     lr: float = flag(1e-6, "peak learning rate (after --lr-warmup-iters)")
-    min_lr: float = flag(0.0, "learning rate at the end of a linear or cosine decay")
+    min_lr: float = flag(0.0, "learning rate at the end of a linear, cosine or WSD decay")
     lr_warmup_steps: int = flag(0, "optimizer steps of linear warm-up", name="--lr-warmup-iters")
     lr_decay_style: str = flag("constant", "after warm-up: constant --lr, or a linear or cosine decay to --min-lr "
                                "over --lr-decay-iters; WSD (Megatron's): --lr until the last --lr-wsd-decay-iters "
