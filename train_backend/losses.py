@@ -357,7 +357,10 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
         if importance is None:
             weighted, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs,
                                                         cfg.tis_cap, cfg.tis_clip_low)
-            pg = weighted if cfg.use_tis else pg  # --get-mismatch-metrics alone: the metrics, not the weights
+            if cfg.use_tis:
+                pg = weighted
+            else:  # --get-mismatch-metrics alone: the metrics, not the weights (none is applied)
+                del tis_stats["tis_weight"]
         else:  # a custom function's result applies with either flag (slime's policy_loss_function)
             pg, pg_mask, tis_stats = importance(pg, old_logp, rollout_logp, m, seq_ids, num_seqs)
         # the correction's own metrics over every loss token (slime: the pre-rejection reducer), so
