@@ -13,7 +13,7 @@ from train_backend import TrainSettings
 from train_backend.batching import begin_train_step, pack
 from train_backend.losses import (LossConfig, LossDenominators, aggregate, compute_advantages,
                                   count_samples_without_loss_tokens, kl_penalty, log_probs_from_logits,
-                                  masked_whiten, policy_loss, rl_loss, sequence_log_ratio, tis_weights)
+                                  masked_whiten, policy_loss, rl_loss, sequence_log_ratio, truncated_is)
 
 NAN = float("nan")
 F64 = torch.float64
@@ -266,8 +266,10 @@ def test_kl_estimators_are_unbiased_for_the_true_kl():
 
 
 def test_tis_weights():
-    w = tis_weights(torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.0, -3.0, -0.5]), cap=2.0)
-    assert torch.allclose(w, torch.tensor([1.0, 2.0, math.exp(-0.5)]))
+    ones = torch.ones(3)
+    _, _, stats = truncated_is(ones, torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.0, -3.0, -0.5]), ones,
+                               torch.zeros(3, dtype=torch.long), 1, cap=2.0)
+    assert torch.allclose(stats["tis_weight"], torch.tensor([1.0, 2.0, math.exp(-0.5)]))
 
 
 # --- aggregation --------------------------------------------------------------------------------

@@ -205,19 +205,15 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     raise ValueError(f"--kl-loss-type={kind!r}: expected k1, k2, k3 or low_var_kl")
 
 
-def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float, low: float = 0.0) -> Tensor:
-    """Truncated importance weight ``clamp(exp(old_logp - rollout_logp), low, cap)`` per token, no
-    grad: corrects for the engine sampling from slightly different probabilities than the trainer's."""
-    return torch.exp(old_logp - rollout_logp).clamp(min=low, max=cap).detach()  # [N]; an overflow to inf caps too
-
-
 def truncated_is(pg: Tensor, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, seq_ids: Tensor, num_seqs: int,
                  cap: float, low: float = 0.0) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """The built-in :data:`ImportanceFn` (``cap``, ``low`` bound): ``pg`` times :func:`tis_weights`,
+    """The built-in :data:`ImportanceFn` (``cap``, ``low`` bound): ``pg`` times the truncated
+    importance weight ``clamp(exp(old_logp - rollout_logp), low, cap)`` per token, no grad (it
+    corrects for the engine sampling from slightly different probabilities than the trainer's),
     every loss token kept. Stats: ``tis_weight`` (the weight applied), and slime's ``tis`` (the raw
     ratio), ``tis_abs`` (``|ratio - 1|``) and ``tis_clipfrac`` (the tokens whose weight was clipped)."""
     ratio = torch.exp(old_logp - rollout_logp).detach()  # [N]
-    w = ratio.clamp(min=low, max=cap)  # [N]
+    w = ratio.clamp(min=low, max=cap)  # [N]; an overflow to inf caps too
     return pg * w, mask, {"tis_weight": w, "tis": ratio, "tis_abs": (ratio - 1).abs(),
                           "tis_clipfrac": (w != ratio).to(mask.dtype)}
 

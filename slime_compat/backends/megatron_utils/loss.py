@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from slime_compat.utils.ppo_utils import compute_approx_kl, compute_policy_loss  # noqa: F401  (slime re-exports)
+from train_backend.losses import truncated_is
 
 
 def get_log_probs_and_entropy(logits: Tensor, *, args: Any, unconcat_tokens: list[Tensor], total_lengths: list[int],
@@ -36,21 +37,18 @@ def get_log_probs_and_entropy(logits: Tensor, *, args: Any, unconcat_tokens: lis
     return None, out
 
 
-def _ratio(train_log_probs: list[Tensor], rollout_log_probs: list[Tensor]) -> Tensor:
-    return torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).detach()  # [N]
-
-
 def vanilla_tis_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor],
                          rollout_log_probs: list[Tensor], loss_masks: list[Tensor], **_: Any
                          ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """slime's default TIS (``--custom-tis-function-path``'s contract): the policy loss times the
     train/rollout ratio clipped to ``[args.tis_clip_low, args.tis_clip]``; every token kept. Metrics
-    per token: ``tis`` (the raw ratio), ``tis_clipfrac``, ``tis_abs`` (``|ratio - 1|``). The same
-    weights as the built-in ``--use-tis``."""
-    ratio = _ratio(train_log_probs, rollout_log_probs)
-    weight = ratio.clamp(min=args.tis_clip_low, max=args.tis_clip)
-    return pg_loss * weight, loss_masks, {"tis": ratio, "tis_clipfrac": (weight != ratio).float(),
-                                          "tis_abs": (ratio - 1).abs()}
+    per token: ``tis`` (the raw ratio), ``tis_clipfrac``, ``tis_abs`` (``|ratio - 1|``). The built-in
+    ``--use-tis`` (:func:`train_backend.losses.truncated_is`) itself."""
+    mask = torch.cat(loss_masks)
+    pg, _, stats = truncated_is(pg_loss, torch.cat(train_log_probs), torch.cat(rollout_log_probs), mask,
+                                torch.zeros_like(mask, dtype=torch.long), 1, args.tis_clip, args.tis_clip_low)
+    del stats["tis_weight"]  # slime's function logs the ratio, not the weight
+    return pg, loss_masks, stats
 
 
 def icepop_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor],
@@ -59,7 +57,7 @@ def icepop_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor]
     """slime's IcePop: tokens whose train/rollout ratio lies in ``[args.tis_clip_low, args.tis_clip]``
     weighted by it, the others weighted 0 (their loss masks stay: they still count in the
     denominators). Metrics as :func:`vanilla_tis_function`'s, ``tis_clipfrac`` the zeroed fraction."""
-    ratio = _ratio(train_log_probs, rollout_log_probs)
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).detach()  # [N]
     inside = (ratio >= args.tis_clip_low) & (ratio <= args.tis_clip)
     weight = torch.where(inside, ratio, torch.zeros_like(ratio))
     return pg_loss * weight, loss_masks, {"tis": ratio, "tis_clipfrac": (weight != ratio).float(),
