@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import LlamaConfig
 
     import make_toy_model
-    from _fixtures_sglang import free_sglang_port, sglang_version, start_sglang, stop_sglang
+    from _fixtures_sglang import sglang_version, start_sglang, stop_sglang
+    from sglang_protocol.net import free_port
 
     rollout = _load("bench_rollout", ROOT / "bench" / "rollout.py")
     ws = _load("bench_weight_sync", ROOT / "bench" / "weight_sync.py")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 architectures=["LlamaForCausalLM"], torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(model)
     make_toy_model.build_tokenizer(model)
     shutil.copytree(toy / "data", model / "data")
-    port = free_sglang_port()
+    port = free_port()
     proc = start_sglang(model, port, "--load-format", "dummy", "--dtype", "bfloat16", "--mem-fraction-static", "0.5",
                         log=work / "sglang.log")
     try:

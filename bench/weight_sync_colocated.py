@@ -89,7 +89,7 @@ def bench_set(name: str, args, work: Path) -> dict:
     del weights
     nbytes = sum(x.numel() * x.element_size() for _, x in named)
     model = _ws.write_template(name, work)
-    port = _sgl.free_sglang_port() if args.engine == "sglang" else free_port()
+    port = free_port()
     if args.engine == "sglang":  # its own loaders and memory saver; dummy weights, no tokenizer on disk needed
         proc = _sgl.start_sglang(model, port, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
                                  "--custom-weight-loader", LOADER, "--enable-memory-saver", "--mem-fraction-static",
@@ -176,10 +176,12 @@ def bench_set(name: str, args, work: Path) -> dict:
 def _replayed(log: Path) -> bool | None:
     """Whether the server's held-weights loader recorded its first load and replays it (its log
     says which; None if it says neither)."""
+    from sglang_protocol.held_weights import NOT_REPLAYED, REPLAYED
+
     text = log.read_text(errors="replace")
-    if "later pushes replay them" in text:
+    if REPLAYED in text:
         return True
-    return False if "none is replayed" in text else None
+    return False if NOT_REPLAYED in text else None
 
 
 def _engine_version(engine: str) -> str | None:

@@ -46,6 +46,9 @@ from sglang_protocol import load_replay
 from sglang_protocol.buckets import dtype_name, parse_dtype
 
 logger = logging.getLogger(__name__)
+# What the server's log says of a model's first held load; bench/weight_sync_colocated.py reads it back
+REPLAYED = "later pushes replay them"
+NOT_REPLAYED = "held weights: pushes walk load_weights, none is replayed"
 
 LOADER = "sglang_protocol.held_weights.load_and_hold"
 HEADER = "reservoir.held:"
@@ -84,10 +87,9 @@ def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
         plan, why = load_replay.record(model, named, lambda: model.load_weights(unpack(named)))
         _loads[id(model)] = (sig, plan)
         if plan is None:
-            logger.warning("held weights: pushes walk load_weights, none is replayed: %s", why)
+            logger.warning(f"{NOT_REPLAYED}: %s", why)
         else:
-            logger.info("held weights: recorded %d copies in %d steps; later pushes replay them",
-                        plan.num_copies, len(plan.steps))
+            logger.info(f"held weights: recorded %d copies in %d steps; {REPLAYED}", plan.num_copies, len(plan.steps))
     _held[id(model)] = [t for _, t in named]  # replaces the last push's: same allocations, still mapped
 
 

@@ -278,3 +278,36 @@ def run_megatron(ckpt: str, megatron_kw: dict, steps: int, save_dir: str | None 
     if export_dir is not None:
         backend.export_hf(export_dir)
     return out
+
+
+
+def bf16_moves(ckpt: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each job (``dtype``, ``use_distributed_optimizer``): how far the fp32 master weights are
+    from the checkpoint's values (in megatron's layout, vocabulary padding included) right after
+    start-up, and which fraction of the bf16 weights the engines get (the HF weights cast to bf16)
+    one small optimizer step changes."""
+    from train_backend.megatron import create_megatron_backend, parallel
+    from train_backend.megatron.arguments import MegatronSettings
+    from train_backend.megatron.checkpoint import HFCheckpointReader, _hf_shards, _master_slices
+
+    out = []
+    for job in jobs:
+        # lr 2e-6 (the SmolLM2 example's): Adam's first step moves each weight by ~lr
+        settings = train_settings(ckpt, dtype=job["dtype"], lr=2e-6, use_kl_loss=False, kl_coef=0.0,
+                                  entropy_coef=0.0, use_tis=False)
+        backend = create_megatron_backend(settings, MegatronSettings(
+            use_distributed_optimizer=job["use_distributed_optimizer"]))
+        masters = _master_slices(backend.optimizer)
+        gaps = []
+        for param, shard in _hf_shards(backend.model, HFCheckpointReader(ckpt), backend.dims):
+            if id(param) in masters:
+                main, start, end = masters[id(param)]
+                gaps.append(float((main - shard.reshape(-1)[start:end].view_as(main)).abs().max()))
+        before = {k: v.detach().to(torch.bfloat16).clone() for k, v in backend.named_hf_weights()}
+        backend.train_step(make_groups(0), 0)
+        after = {k: v.detach().to(torch.bfloat16) for k, v in backend.named_hf_weights()}
+        changed = sum(int((after[k] != before[k]).sum()) for k in before)
+        out.append({**job, "masters": len(gaps), "master_gap": max(gaps, default=None),
+                    "changed": changed / sum(v.numel() for v in before.values())})
+        parallel.destroy_parallel_state()
+    return out

@@ -34,26 +34,22 @@ def sglang_version() -> str:
     return version("sglang")
 
 
-def free_sglang_port() -> int:
-    """A free port that SGLang can take: it also listens on port + 10000 (its gRPC port)."""
-    from sglang_protocol.net import free_port
-
-    while True:
-        port = free_port()
-        if port < 55000:
-            return port
-
-
 def start_sglang(model: Path, port: int, *extra: str, log: Path | None = None, timeout: float = 600.0,
                  env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python -m sglang.launch_server`` on ``model`` at 127.0.0.1:``port`` with the bundle's flags
-    and ``extra``; returns once ``/health`` answers (RuntimeError with the log's tail if it exits)."""
+    and ``extra``; returns once ``/health`` answers (RuntimeError with the log's tail if it exits).
+
+    The server gets its gRPC port from us (``SGLANG_GRPC_PORT``), as the launcher's engines do
+    (``rollout_manager.engines``): SGLang 0.5.15 otherwise listens on ``port`` + 10000 as well and
+    refuses to start when that passes 65535 or is taken."""
     from embedded_engine.launch import wait_healthy
+    from sglang_protocol.net import free_port
 
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
            "--port", str(port), *BUNDLE_FLAGS, *extra]
     out = open(log, "w") if log is not None else subprocess.DEVNULL
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "SGLANG_GRPC_PORT": str(free_port()), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                             start_new_session=True)
     try:

@@ -47,10 +47,10 @@ def toy(tmp_path_factory) -> Path:
 def server(toy, tmp_path_factory):
     """One SGLang server on the toy model, bf16, colocated settings (memory saver, the held-weights
     loader allowed, a small static memory fraction), CUDA graphs off (the launcher test has them)."""
-    from _fixtures_sglang import free_sglang_port
+    from sglang_protocol.net import free_port
     from sglang_protocol.held_weights import LOADER
 
-    port = free_sglang_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("sgl-log") / "server.log"
     proc = start_sglang(toy, port, "--dtype", "bfloat16", "--mem-fraction-static", "0.2", "--enable-memory-saver",
                         "--custom-weight-loader", LOADER, "--disable-cuda-graph", log=log)

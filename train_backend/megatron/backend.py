@@ -122,6 +122,8 @@ class MegatronBackend:
                                 params_dtype=self.dtype,
                                 use_distributed_optimizer=self.mcfg.use_distributed_optimizer),
                 [self.model])
+            if self.dtype == torch.bfloat16:  # the masters from the checkpoint, not its bf16 rounding
+                checkpoint.load_hf_master_weights(self.optimizer, self.model, reader, self.dims)
             if self.mcfg.fused_adam:
                 _fuse_adam(self.optimizer)
             self.config.no_sync_func = self.model.no_sync

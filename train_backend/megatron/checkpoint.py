@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,12 +66,10 @@ class HFCheckpointReader:
         return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
 
 
-@torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, reader: HFCheckpointReader, dims: ModelDims) -> None:
-    """Copy the HF tensors into every parameter of this rank's stage and TP shard.
-
-    Raises ``RuntimeError`` if a shape does not match (wrong config or parallel layout).
-    """
+def _hf_shards(model: torch.nn.Module, reader: HFCheckpointReader,
+               dims: ModelDims) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Each parameter of this rank's stage with its TP shard of the checkpoint, in the checkpoint's
+    dtype. Raises ``RuntimeError`` if a shape does not match (wrong config or parallel layout)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in mcore_params(model):
@@ -79,7 +78,53 @@ def load_hf_weights(model: torch.nn.Module, reader: HFCheckpointReader, dims: Mo
         if shard.shape != param.shape:
             raise RuntimeError(f"{name}: checkpoint shard {tuple(shard.shape)} != parameter "
                                f"{tuple(param.shape)} (tp {tp_rank}/{tp_size})")
+        yield param, shard
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, reader: HFCheckpointReader, dims: ModelDims) -> None:
+    """Copy the HF tensors into every parameter of this rank's stage and TP shard (cast to the
+    parameters' dtype). Raises ``RuntimeError`` if a shape does not match."""
+    for param, shard in _hf_shards(model, reader, dims):
         param.copy_(shard)
+
+
+def _master_slices(optimizer: Any) -> dict[int, tuple[torch.Tensor, int, int]]:
+    """``id(model parameter) -> (its fp32 master, start, end)``: the master holds elements
+    ``start:end`` of the flattened parameter. megatron-core's mixed-precision optimizers: the plain
+    one keeps a whole master per bf16 parameter (``param.main_param``), the distributed one a
+    shard of it on each data-parallel rank (its range map says which elements)."""
+    out: dict[int, tuple[torch.Tensor, int, int]] = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+            for params, shards in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+                for p, shard in zip(params, shards):
+                    r = opt._get_model_param_range_map(p)["param"]  # megatron's own map (no public one)
+                    out[id(p)] = (shard, r.start, r.end)
+        elif hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+            for params, masters in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for p, main in zip(params, masters):
+                    out[id(p)] = (main, 0, main.numel())
+    return out
+
+
+@torch.no_grad()
+def load_hf_master_weights(optimizer: Any, model: torch.nn.Module, reader: HFCheckpointReader,
+                           dims: ModelDims) -> int:
+    """Set the fp32 master weights of bf16 parameters to the checkpoint's own values; returns how
+    many parameters have one.
+
+    megatron-core makes each master from its bf16 parameter, so a checkpoint finer than bf16 (an
+    fp32 one) would start training from its bf16 rounding: every master sits on the bf16 grid, and
+    a small update changes no bf16 weight (neither the forward's nor the engines') until it reaches
+    half a bf16 spacing. Started from the checkpoint's values, the masters lie between grid points
+    as in fp32 training, and the bf16 copies follow their updates from the first step."""
+    masters = _master_slices(optimizer)
+    for param, shard in _hf_shards(model, reader, dims):
+        if id(param) in masters:
+            main, start, end = masters[id(param)]
+            main.copy_(shard.reshape(-1)[start:end].view_as(main))
+    return len(masters)
 
 
 @torch.no_grad()
