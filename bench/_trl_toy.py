@@ -4,13 +4,14 @@ Run as its own process (``python bench/_trl_toy.py --model-dir M --out-dir D ...
 torch/threads state and imports do not mix with the Reservoir runs; it writes ``D/trl.json``
 (eval history with wall times, steps, steps/s) and ``D/trl_log.jsonl`` (TRL's per-step logs).
 
-Settings matched to examples/toy/grpo_cpu.yaml and Reservoir's TrainSettings defaults: lr 3e-4
-constant, AdamW betas (0.9, 0.98), eps 1e-8, weight decay 0, grad clip 1.0; 16 prompts x 8
-generations per optimizer step (one generation batch = one optimizer step, num_iterations 1);
-6 new tokens, temperature 1.0, no top-k/top-p; beta 0 (no KL); loss ``dapo`` (token mean over the
-batch's active tokens = Reservoir's ``token_mean``) with group-std advantage scaling (= grpo);
-clip epsilon 0.2. Eval: greedy, 6 new tokens, the 64 eval prompts, every ``--eval-interval``
-steps and before training, timed from the start of training (eval time included, as Reservoir's).
+Settings matched to examples/toy/grpo_cpu.yaml and Reservoir's TrainSettings defaults: lr 3e-4, WSD
+(constant, then linear to 0 over the last ``--decay-steps`` of ``--max-steps``), AdamW betas (0.9, 0.98), eps
+1e-8, weight decay 0, grad clip 1.0; 16 prompts x 8 generations per optimizer step (one generation
+batch = one optimizer step, num_iterations 1); 6 new tokens, temperature 1.0, no top-k/top-p; beta 0
+(no KL); loss ``dapo`` (token mean over the batch's active tokens = Reservoir's ``token_mean``) with
+group-std advantage scaling (= grpo); clip epsilon 0.2. Eval: greedy, 6 new tokens, the 64 eval
+prompts, every ``--eval-interval`` steps and before training, timed from the start of training (eval
+time included, as Reservoir's).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--decay-steps", type=int, default=200, help="the WSD schedule's linear decay at the end")
     args = ap.parse_args(argv)
 
     import torch
@@ -115,7 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = GRPOConfig(
         output_dir=str(args.out_dir / "trl_out"), use_cpu=True, bf16=False, fp16=False,
-        learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        # the toy config's WSD: 3e-4 to step max_steps - decay_steps, then linear to 0 at max_steps
+        learning_rate=3e-4, lr_scheduler_type="warmup_stable_decay", warmup_steps=0,
+        lr_scheduler_kwargs={"num_decay_steps": args.decay_steps, "decay_type": "linear", "min_lr_ratio": 0.0},
+        optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         per_device_train_batch_size=128, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=8, num_iterations=1, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0,

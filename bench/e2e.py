@@ -1,14 +1,19 @@
-"""Peer comparison (issue 7): the toy task under TRL's GRPOTrainer and under Reservoir (sync and
-async), same model, lr, batch, samples per prompt and generation length, in one invocation.
+"""Peer comparison (issues 7, 30): the toy task under TRL's GRPOTrainer and under Reservoir (sync,
+async, async + TIS), same model, lr schedule, batch, samples per prompt, generation length and eval
+set, each mode over several seeds, interleaved (seed 1: every mode, then seed 2, ...; the mode order
+rotates per seed) so that a slow stretch of the machine does not land on one mode.
 
-    unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py'
+    unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py --seeds 1,2,3,4,5'
 
-For each mode: wall time to the first eval accuracy >= 0.9 (from process start, and from the
-start of training), steps to it, steps/s, final accuracy; for Reservoir the median per-step time
-split into rollout, buffer wait, training, weight sync and the rest (from metrics.jsonl).
-Each run stops at the first eval >= target or at its time cap (then "not reached").
-Writes bench/results/e2e.json; ``ratio`` = TRL time-to-target / best Reservoir time-to-target
-(from process start), target 1.0.
+Per run: wall time to the first eval accuracy >= 0.9 (from process start, and from the start of
+training), steps to it, steps/s, samples/s, final accuracy, the eval curve against wall time; for
+Reservoir the median per-step split into rollout, buffer wait, training, weight sync and the rest
+(from metrics.jsonl). Each run stops at the first eval >= target or at its time cap (then "not
+reached"). Per mode (``metrics[mode]``): its runs under ``seeds`` and their medians and spread
+(min, max), a run that did not reach the target counting as infinitely slow. Writes
+bench/results/e2e.json and bench/results/e2e.png (eval accuracy against wall time, every mode and
+seed); ``ratio`` = TRL's median time-to-target / the best Reservoir mode's median (from process
+start).
 """
 
 from __future__ import annotations
@@ -27,8 +32,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "bench" / "results" / "e2e.json"
+SAMPLES_PER_STEP = 16 * 8  # rollout-batch-size x n-samples-per-prompt (examples/toy/grpo_cpu.yaml)
 SPLIT_KEYS = {"rollout": "perf/rollout_time", "buffer": "perf/buffer_wait_time", "train": "perf/train_time",
               "weight_sync": "perf/weight_sync_time"}
+
+
+def wsd_decay_steps(max_steps: int) -> int:
+    """The lr decay at the end of both sides' WSD schedule: the toy config's 200 of 800 steps."""
+    return min(200, max_steps // 4)
 
 
 def _env() -> dict[str, str]:
@@ -78,13 +89,16 @@ def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
             time.sleep(3)
 
 
-def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: int, target: float) -> dict:
+def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: int, target: float,
+                  seed: int) -> dict:
     """One Reservoir run through scripts/train.py; stops at the first eval >= target or at cap_s."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "examples/toy/grpo_cpu.yaml"),
            "--output-dir", str(out / "run"), "--hf-checkpoint", str(model),
            "--prompt-data", str(model / "data/train.jsonl"), "--eval-prompt-data", str(model / "data/eval.jsonl"),
-           "--num-rollout", str(max_steps), "--eval-interval", "50", "--no-plots"]
+           "--num-rollout", str(max_steps), "--lr-decay-iters", str(max_steps),
+           "--lr-wsd-decay-iters", str(wsd_decay_steps(max_steps)), "--eval-interval", "50",
+           "--no-plots", "--seed", str(seed)]
     if mode.startswith("async"):
         cmd += ["--max-weight-staleness", "1"]
     if mode == "async_tis":  # every group is one version behind in async mode: slime's off-policy correction
@@ -146,19 +160,21 @@ def summarize_reservoir(out: Path, target: float) -> dict:
         "steps": n,
         "steps_per_s": n / wall,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "samples_per_s": n * SAMPLES_PER_STEP / wall,
         "eval_history": [(r["step"], round(r["eval/accuracy"], 4)) for r in evals],
+        "curve": [(round(r["time"] - t_launch, 2), r["step"], round(r["eval/accuracy"], 4)) for r in evals],
         "median_split_s": {k: round(v, 4) for k, v in split.items()},
         "mean_split_s": {k: round(v, 4) for k, v in mean.items()},
         "reached": reached is not None, "exit_code": launch["exit_code"], "run_dir": str(out),
     }
 
 
-def run_trl(model: Path, out: Path, cap_s: float, max_steps: int, target: float) -> dict:
+def run_trl(model: Path, out: Path, cap_s: float, max_steps: int, target: float, seed: int) -> dict:
     """TRL's GRPOTrainer in its own process (bench/_trl_toy.py)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "bench" / "_trl_toy.py"), "--model-dir", str(model), "--out-dir", str(out),
            "--max-steps", str(max_steps), "--time-cap-s", str(cap_s), "--eval-interval", "50",
-           "--target", str(target)]
+           "--target", str(target), "--seed", str(seed), "--decay-steps", str(wsd_decay_steps(max_steps))]
     t_launch = time.time()
     with open(out / "stdout.log", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -171,31 +187,78 @@ def run_trl(model: Path, out: Path, cap_s: float, max_steps: int, target: float)
         "time_to_0.9_s": r["time_to_target_s"] + startup if r["time_to_target_s"] is not None else None,
         "time_to_0.9_from_first_step_s": r["time_to_target_s"],
         "startup_s": startup, "steps_to_0.9": r["steps_to_target"], "steps": r["steps"],
-        "steps_per_s": r["steps_per_s"], "final_accuracy": r["final_accuracy"],
+        "steps_per_s": r["steps_per_s"], "samples_per_s": (r["steps_per_s"] or 0.0) * SAMPLES_PER_STEP,
+        "final_accuracy": r["final_accuracy"],
         "eval_history": [(h["step"], round(h["eval/accuracy"], 4)) for h in r["history"]],
+        "curve": [(round(h["elapsed_s"] + startup, 2), h["step"], round(h["eval/accuracy"], 4)) for h in r["history"]],
         "reached": r["time_to_target_s"] is not None, "capped": r["capped"], "run_dir": str(out),
     }
 
 
 def _fmt(v, spec: str = ".1f") -> str:
-    return "not reached" if v is None else format(v, spec)
+    return "not reached" if v is None or v == float("inf") else format(v, spec)
+
+
+def _ttt(run: dict, key: str = "time_to_0.9_s") -> float:
+    return run[key] if run["reached"] else float("inf")
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """A mode's summary over its seeds: medians and spread; an unreached target counts as inf."""
+    out = {"seeds": runs, "runs": len(runs), "reached": sum(r["reached"] for r in runs)}
+    for key in ("time_to_0.9_s", "time_to_0.9_from_first_step_s"):
+        out[key] = _spread([_ttt(r, key) for r in runs])
+    for key in ("startup_s", "steps_per_s", "samples_per_s", "final_accuracy"):
+        out[key] = _spread([r[key] for r in runs if r[key] is not None])
+    out["steps_to_0.9"] = _spread([r["steps_to_0.9"] if r["reached"] else float("inf") for r in runs])
+    splits = [r["median_split_s"] for r in runs if r.get("median_split_s")]
+    if splits:
+        out["median_split_s"] = {k: round(statistics.median(s[k] for s in splits), 4) for k in splits[0]}
+    return out
 
 
 def table(metrics: dict[str, dict]) -> str:
-    lines = ["| mode | time to 0.9 (s, from start) | from first step (s) | steps to 0.9 | steps/s | final acc | "
-             "median step split (s): rollout / buffer / train / weight sync / other | "
-             "mean step split (s): same / eval / between steps |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | reached | time to 0.9 from start (s): median [min, max] | from first step (s) | "
+             "start-up (s) | steps to 0.9 | steps/s | samples/s | final acc | "
+             "median step (s): rollout / buffer / train / weight sync / other |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, m in metrics.items():
+        def cell(key: str, spec: str = ".1f", m=m) -> str:
+            d = m[key]
+            return f"{_fmt(d['median'], spec)} [{_fmt(d['min'], spec)}, {_fmt(d['max'], spec)}]"
         s = m.get("median_split_s")
         split = " / ".join(f"{s[k]:.3f}" for k in ("rollout", "buffer", "train", "weight_sync", "other")) if s else "-"
-        a = m.get("mean_split_s")
-        mean = " / ".join(f"{a[k]:.3f}" for k in ("rollout", "buffer", "train", "weight_sync", "other", "eval",
-                                                  "between_steps")) if a else "-"
-        lines.append(f"| {mode} | {_fmt(m['time_to_0.9_s'])} | {_fmt(m['time_to_0.9_from_first_step_s'])} | "
-                     f"{_fmt(m['steps_to_0.9'], 'd')} (of {m['steps']}) | {m['steps_per_s']:.3f} | "
-                     f"{_fmt(m['final_accuracy'], '.3f')} | {split} | {mean} |")
+        lines.append(f"| {mode} | {m['reached']} of {m['runs']} | {cell('time_to_0.9_s')} | "
+                     f"{cell('time_to_0.9_from_first_step_s')} | {cell('startup_s')} | {cell('steps_to_0.9', '.0f')} | "
+                     f"{cell('steps_per_s', '.2f')} | {cell('samples_per_s', '.0f')} | {cell('final_accuracy', '.3f')} | "
+                     f"{split} |")
     return "\n".join(lines)
+
+
+def plot(metrics: dict[str, dict], target: float, path: Path) -> None:
+    """Eval accuracy against wall time from process start: one colour per mode, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, (mode, m) in enumerate(metrics.items()):
+        for j, run in enumerate(m["seeds"]):
+            t, _, acc = zip(*run["curve"]) if run["curve"] else ((), (), ())
+            ax.plot(t, acc, color=f"C{i}", alpha=0.7, lw=1.2, marker=".", label=mode if j == 0 else None)
+    ax.axhline(target, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("wall time from process start (s)")
+    ax.set_ylabel("eval accuracy (greedy, 64 prompts)")
+    ax.set_title("toy task: every mode and seed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -203,84 +266,66 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--work-dir", type=Path, default=None, help="runs go here (default: a new /tmp dir)")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse a toy model (default: build one)")
     ap.add_argument("--modes", default="trl,sync,async,async_tis")
+    ap.add_argument("--seeds", default="1,2,3,4,5", help="one run of every mode per seed, interleaved")
     ap.add_argument("--cap-s", type=float, default=540.0, help="per Reservoir run, from process start")
     ap.add_argument("--trl-cap-s", type=float, default=720.0, help="TRL run, from the start of training")
     ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--merge-as", default=None,
-                    help="add this invocation's modes to the existing results file under '<mode>_<suffix>' "
-                         "(a supplementary run, e.g. a longer TRL cap), keeping the rest of it")
-    ap.add_argument("--resummarize", action="store_true",
-                    help="recompute the Reservoir modes of the results file from their run directories "
-                         "(metrics.jsonl + launch.json); runs nothing")
+    ap.add_argument("--out", type=Path, default=RESULT, help="the results file (its .png beside it)")
     args = ap.parse_args(argv)
-    if args.resummarize:
-        result = json.loads(RESULT.read_text())
-        for k, m in result["metrics"].items():
-            if k.startswith("reservoir"):
-                result["metrics"][k] = summarize_reservoir(Path(m["run_dir"]), args.target)
-        RESULT.write_text(json.dumps(result, indent=1) + "\n")
-        print(table(result["metrics"]))
-        return result
+    modes = args.modes.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")]
 
     work = args.work_dir or Path(f"/tmp/e2e-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}")
     work.mkdir(parents=True, exist_ok=True)
     model = args.model_dir
-    if model is None:  # the same initial checkpoint for every mode
+    if model is None:  # the same initial checkpoint for every mode and seed
         model = work / "model"
         subprocess.run([sys.executable, str(ROOT / "scripts/make_toy_model.py"), "--out", str(model),
                         "--warmup-steps", "60"], cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
-    metrics: dict[str, dict] = {}
-    for mode in args.modes.split(","):
-        t = time.time()
-        print(f"== {mode} ...", flush=True)
-        if mode == "trl":
-            metrics["trl"] = run_trl(model, work / "trl", args.trl_cap_s, args.max_steps, args.target)
-        else:
-            metrics[f"reservoir_{mode}"] = run_reservoir(mode, model, work / mode, args.cap_s, args.max_steps,
-                                                         args.target)
-        print(f"   done in {time.time() - t:.0f}s: {json.dumps(metrics[list(metrics)[-1]])}", flush=True)
+    runs: dict[str, list[dict]] = {("trl" if m == "trl" else f"reservoir_{m}"): [] for m in modes}
+    for i, seed in enumerate(seeds):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            t = time.time()
+            print(f"== seed {seed}: {mode} ...", flush=True)
+            out = work / f"{mode}_seed{seed}"
+            if mode == "trl":
+                r = run_trl(model, out, args.trl_cap_s, args.max_steps, args.target, seed)
+            else:
+                r = run_reservoir(mode, model, out, args.cap_s, args.max_steps, args.target, seed)
+            runs["trl" if mode == "trl" else f"reservoir_{mode}"].append({"seed": seed, **r})
+            print(f"   done in {time.time() - t:.0f}s: time to target {_fmt(r['time_to_0.9_s'])} s, "
+                  f"steps {r['steps']}, final {r['final_accuracy']}", flush=True)
 
-    if args.merge_as:
-        return _merge(metrics, args, argv)
-    ours = [m["time_to_0.9_s"] for k, m in metrics.items() if k.startswith("reservoir") and m["reached"]]
-    trl = metrics.get("trl", {})
-    best = min(ours) if ours else None
-    if best is not None and trl.get("reached"):
-        ratio = trl["time_to_0.9_s"] / best
-    elif best is not None and "trl" in metrics:  # TRL did not reach it within its cap: a lower bound
-        ratio = (trl["startup_s"] + args.trl_cap_s) / best
-    else:
-        ratio = None
+    metrics = {k: aggregate(v) for k, v in runs.items()}
+    ours = [m["time_to_0.9_s"]["median"] for k, m in metrics.items() if k.startswith("reservoir")]
+    best = min(ours, default=float("inf"))
+    trl = metrics.get("trl", {}).get("time_to_0.9_s", {}).get("median", float("inf"))
+    ratio = trl / best if best < float("inf") and trl < float("inf") else None
     result = {
         "name": "e2e", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}, {os.cpu_count()} CPUs (shared, loaded), {platform.platform()}, CPU only",
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, CPU only",
         "command": "unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py "
                    + " ".join(argv if argv is not None else sys.argv[1:]) + "'",
-        "metrics": metrics, "ratio": ratio, "ratio_is_lower_bound": bool(ratio and not trl.get("reached")),
-        "target": 1.0,
+        "seeds": seeds, "metrics": metrics, "ratio": ratio,
+        "ratio_definition": "TRL's median time to 0.9 from process start / the best Reservoir mode's median",
+        "target": 1.5,
     }
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+    plot(metrics, args.target, args.out.with_suffix(".png"))
     print(table(metrics))
-    print(f"ratio (TRL time / best Reservoir time, from process start) = {ratio}  (target 1.0)")
+    print(f"ratio (TRL median / best Reservoir median, from process start) = {ratio}  (target 1.5)")
     return result
 
 
-def _merge(metrics: dict[str, dict], args: argparse.Namespace, argv: list[str] | None) -> dict:
-    """Add a supplementary run's modes to bench/results/e2e.json without touching the main run's."""
-    result = json.loads(RESULT.read_text())
-    cmd = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    for mode, m in metrics.items():
-        m["note"] = f"supplementary run ({dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}): {cmd}"
-        result["metrics"][f"{mode}_{args.merge_as}"] = m
-    ours = [m["time_to_0.9_s"] for k, m in result["metrics"].items() if k.startswith("reservoir") and m["reached"]]
-    trl = [m for k, m in metrics.items() if k.startswith("trl") and m["reached"]]
-    if ours and trl:
-        result["ratio_supplementary"] = trl[0]["time_to_0.9_s"] / min(ours)
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result["metrics"]))
-    print(f"ratio (main run) = {result['ratio']}; with the supplementary run = {result.get('ratio_supplementary')}")
-    return result
+def _finite(obj):
+    """``obj`` with every infinite float (a target not reached) as None: JSON has no infinity."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return None if isinstance(obj, float) and obj == float("inf") else obj
 
 
 if __name__ == "__main__":
