@@ -263,7 +263,7 @@ def test_builtin_mis_in_the_loss_leaves_rejected_tokens_out_of_every_term():
                               rollout_logp=roll, rollout_mask=torch.ones_like(mask), importance=fn)
         out.append((loss, torch.autograd.grad(loss, [logp])[0], stats))
     (l0, g0, s0), (l1, g1, s1) = out
-    assert abs(float(l0 - l1)) <= 1e-12 and float((g0 - g1).abs().max()) <= 1e-12
+    assert abs(float((l0 - l1).detach())) <= 1e-12 and float((g0 - g1).abs().max()) <= 1e-12
     for key in s1:
         assert abs(float(s0[key] - s1[key])) <= 1e-12, key
     _, keep, _ = mis_is(torch.zeros_like(old), old, roll, mask, seq, len(lens), MisConfig.from_settings(builtin))
@@ -318,7 +318,7 @@ def test_builtin_icepop_equals_slimes_icepop_function(oracle):
         loss, stats = rl_loss(LossConfig.from_settings(s), denom, logp, old, adv, mask, seq, len(lens),
                               rollout_logp=roll, rollout_mask=torch.ones_like(mask), importance=fn)
         runs.append((loss, torch.autograd.grad(loss, [logp])[0], stats))
-    assert abs(float(runs[0][0] - runs[1][0])) <= 1e-12 and float((runs[0][1] - runs[1][1]).abs().max()) <= 1e-12
+    assert abs(float((runs[0][0] - runs[1][0]).detach())) <= 1e-12 and float((runs[0][1] - runs[1][1]).abs().max()) <= 1e-12
     outside = (ratio < 0.7) | (ratio > 1.4)
     assert float(runs[0][1][outside].abs().max()) == 0.0 and float(runs[0][1][~outside & (mask > 0)].abs().min()) > 0
 
@@ -335,7 +335,7 @@ def test_builtin_corrections_with_get_mismatch_metrics_alone_leave_the_loss_as_i
         s = TrainSettings(hf_checkpoint="m", **kw)
         loss, stats = rl_loss(LossConfig.from_settings(s), denom, logp, old, adv, mask, seq, len(lens),
                               rollout_logp=roll, rollout_mask=torch.ones_like(mask), importance=builtin_importance(s))
-        return loss, torch.autograd.grad(loss, [logp])[0], stats
+        return loss.detach(), torch.autograd.grad(loss, [logp])[0], stats
 
     plain = run()
     for fn in ("icepop", "mis"):
@@ -393,7 +393,7 @@ def test_cispo_loss_and_gradient_equal_slimes(oracle, eps_clip, eps_clip_high, a
                                zip(torch.split(x, lens), torch.split(mask, lens))) / 3
     want = reduce(pg)
     (want_grad,) = torch.autograd.grad(want, [logp2])
-    assert abs(float(loss - want)) <= 1e-12 and float((grad - want_grad).abs().max()) <= 1e-12
+    assert abs(float((loss - want).detach())) <= 1e-12 and float((grad - want_grad).abs().max()) <= 1e-12
     assert abs(float(stats["pg_clipfrac"] - reduce(clipfrac))) <= 1e-12
     ratio = torch.exp(logp.detach() - old)
     clipped = ((ratio < 1 - eps_clip) | (ratio > 1 + eps_clip_high)) & (mask > 0)
