@@ -8,11 +8,12 @@ Shared flags defined by the rollout manager and read here: ``--hf-checkpoint``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from flags import add_flags, from_args, section
 from train_backend.actor_group import TrainerGroupSettings
-from train_backend.settings import G_HOOKS, G_OPT, TrainSettings
+from train_backend.settings import G_HOOKS, G_OPT, MIS_FLAGS, TrainSettings
 
 if TYPE_CHECKING:
     from train_backend.megatron.arguments import MegatronSettings
@@ -28,15 +29,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, TrainerGroupSettings, "train: ranks (Ray actors; one GPU each with --train-device cuda)")
     g = section(parser, G_HOOKS)
     g.add_argument("--custom-config-path", default=None,
-                   help="YAML of extra attributes for every plugin's args (slime's); a key naming a flag is refused")
+                   help="YAML of extra attributes for every plugin's args (slime's); a key naming a flag must hold "
+                        "its value, except mis.yaml's keys (--tis-level, --use-rs...), which set flags left at "
+                        "their defaults")
 
 
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     """Build and validate :class:`TrainSettings`; ``ValueError`` names the offending flags."""
+    adopt_mis_config(args)
     norm_length = args.loss_agg_norm_length
     if norm_length is None and args.loss_agg == "seq_mean_token_sum_norm":
         norm_length = args.rollout_max_response_len  # Dr. GRPO divides by the generation budget
     return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args))
+
+
+def adopt_mis_config(args: argparse.Namespace) -> None:
+    """slime's ``mis.yaml`` (``--custom-config-path``) sets mis.py's attributes on ``args``; here they
+    are flags (:data:`~train_backend.settings.MIS_FLAGS`), so each of its keys sets the flag when the
+    command line left that at its default, and the run is configured with the value mis.py reads.
+    A key whose flag was given another value stays refused (:func:`plugins.slime_args.custom_config`)."""
+    from plugins.slime_args import custom_config
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings) if f.name in MIS_FLAGS}
+    values = {k: v for k, v in custom_config(argparse.Namespace(custom_config_path=args.custom_config_path)).items()
+              if k in MIS_FLAGS} if getattr(args, "custom_config_path", None) else {}
+    for key, value in values.items():
+        if getattr(args, key, defaults[key]) == defaults[key]:
+            setattr(args, key, value)
 
 
 def plugin_namespace(args: argparse.Namespace) -> dict:

@@ -86,7 +86,7 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
     ``rewards [G, n]``: NaN marks a slot with no trainable sample (ragged or filtered groups);
     it is left out of every baseline and gets advantage 0. Returns ``[G, n]``.
 
-    - ``grpo``, ``gspo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as slime and TRL).
+    - ``grpo``, ``gspo``, ``cispo``: ``(r - mean_g) / (std_g + eps)`` (unbiased std, as slime and TRL).
     - ``dr_grpo``: ``r - mean_g`` (Dr. GRPO drops the std).
     - ``rloo``: ``r - mean of the other samples of the group``.
     - ``reinforce_plus_plus``: ``r`` (REINFORCE++: slime's discounted return with ``gamma = 1``,
@@ -103,7 +103,7 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
         raise ValueError(f"rewards must be [G, n], got shape {tuple(rewards.shape)}")
     r = rewards.double()  # [G, n]
     valid = ~torch.isnan(r)  # [G, n]
-    if estimator in ("grpo", "gspo"):
+    if estimator in ("grpo", "gspo", "cispo"):
         adv = (r - _nan_mean(r, 1)) / (_nan_std(r, 1) + eps)  # [G, n]
     elif estimator == "dr_grpo":
         adv = r - _nan_mean(r, 1)  # [G, n]
@@ -186,6 +186,19 @@ def policy_loss(log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip
         loss3 = -eps_clip_c * advantages  # [N]
         loss = torch.where(advantages < 0, torch.minimum(loss, loss3), loss)  # [N]
     return loss, clipped
+
+
+def cispo_loss(log_ratio: Tensor, logp: Tensor, advantages: Tensor, eps_clip: float,
+               eps_clip_high: float | None = None) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5) per token: ``-sg(clip(r, 1 - eps, 1 + eps_high))
+    * A * logp`` with ``r = exp(log_ratio)``. The clipped ratio carries no gradient, so a clipped
+    token still gets ``-w A`` through its log-prob (PPO's clip zeroes it). ``eps_clip >= 1`` turns the
+    lower bound off (the paper's one-sided clip). Returns ``(loss [N], clipped [N])``, ``clipped``
+    1.0 where the ratio was clipped."""
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = torch.exp(log_ratio)  # [N]
+    w = ratio.clamp(1.0 - eps_clip, 1.0 + high)  # [N]
+    return -w.detach() * advantages * logp, (w != ratio).to(logp.dtype)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
@@ -289,6 +302,7 @@ class LossConfig:
     defaults are the defaults here too: one place)."""
 
     sequence_level_ratio: bool = False  # GSPO (TrainSettings: advantage_estimator == "gspo")
+    cispo: bool = False  # CISPO's loss (TrainSettings: advantage_estimator == "cispo")
     eps_clip: float = _T.eps_clip
     eps_clip_high: float | None = _T.eps_clip_high
     eps_clip_c: float | None = _T.eps_clip_c
@@ -304,7 +318,7 @@ class LossConfig:
 
     @classmethod
     def from_settings(cls, s: "TrainSettings") -> "LossConfig":
-        return cls(s.advantage_estimator == "gspo", s.eps_clip, s.eps_clip_high, s.eps_clip_c, s.loss_agg,
+        return cls(s.advantage_estimator == "gspo", s.advantage_estimator == "cispo", s.eps_clip, s.eps_clip_high, s.eps_clip_c, s.loss_agg,
                    s.use_kl_loss, s.kl_coef, s.kl_loss_type, s.entropy_coef, s.use_tis, s.tis_cap, s.tis_clip_low,
                    s.get_mismatch_metrics)
 
@@ -329,7 +343,7 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     token mean, as slime reports them (its ``sum_of_sample_mean`` unless per-token loss).
 
     ``importance``: the TIS correction under ``--use-tis`` (default :func:`truncated_is` with
-    ``--tis-clip``); ``reducer``: the policy-gradient loss's reduction (default :func:`aggregate`
+    ``--tis-clip``; ``--tis-function``'s others: :mod:`train_backend.mismatch`); ``reducer``: the policy-gradient loss's reduction (default :func:`aggregate`
     with ``--loss-agg``). slime's ``--custom-tis-function-path`` and
     ``--custom-pg-loss-reducer-function-path`` come in as these (:mod:`train_backend.hooks`). A
     correction that rejects tokens (zeros in the mask it returns) leaves them out of the numerators
@@ -342,7 +356,10 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
         log_ratio = sequence_log_ratio(logp, old_logp, m, seq_ids, num_seqs)  # [N]
     else:
         log_ratio = logp - old_logp  # [N]
-    pg, clipped = policy_loss(log_ratio, advantages, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)  # [N]
+    if cfg.cispo:
+        pg, clipped = cispo_loss(log_ratio, logp, advantages, cfg.eps_clip, cfg.eps_clip_high)  # [N]
+    else:
+        pg, clipped = policy_loss(log_ratio, advantages, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)  # [N]
     stats: dict[str, Tensor] = {}
     has_rollout = rollout_logp is not None and rollout_mask is not None
     pg_mask = m  # the numerators' tokens: a custom TIS function may reject some

@@ -8,13 +8,15 @@ backends).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from flags import SettingError, flag
 
 BACKENDS = ("torch", "megatron")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo",
+                        "cispo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # low_var_kl: slime's name for k3 clamped to [-10, 10] (its compute_approx_kl)
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -25,6 +27,15 @@ RECOMPUTE_METHODS = ("uniform", "block")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")  # Megatron's names (WSD: warm-up, stable, decay)
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # Megatron's --lr-wsd-decay-style
 DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
+# the built-in train/rollout corrections (train_backend/mismatch.py), by slime's function names:
+# vanilla_tis_function, icepop_function, mis.py's compute_mis_weights
+TIS_FUNCTIONS = ("vanilla", "icepop", "mis")
+MIS_LEVELS = ("token", "sequence", "geometric")  # mis.py's tis_level / rs_level
+MIS_MODES = ("truncate", "clip", "mask")  # mis.py's tis_mode
+# --tis-function mis's flags: slime reads them from mis.yaml (--custom-config-path), whose keys set
+# them here too when the command line leaves them at their defaults (train_backend/arguments.py)
+MIS_FLAGS = ("tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "use_rs", "rs_level", "rs_lower_bound",
+             "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize")
 
 
 G_OPT = "train: backend and optimizer"
@@ -87,7 +98,9 @@ class TrainSettings:
                                     "sequence-level ratios), dr_grpo (no std), rloo (minus the mean of the group's "
                                     "other samples), reinforce_plus_plus (the reward) and "
                                     "reinforce_plus_plus_baseline (minus the group mean), both whitened over the "
-                                    "batch (--normalize-advantages)",
+                                    "batch (--normalize-advantages); cispo: grpo's advantages, MiniMax-M1's CISPO "
+                                    "loss (the clipped ratio, no gradient, times the log-prob; --eps-clip 1 "
+                                    "--eps-clip-high 4 is its one-sided setting)",
                                     choices=ADVANTAGE_ESTIMATORS, group=G_LOSS)
     normalize_advantages: bool = flag(False, "whiten advantages over all loss tokens of the rollout batch (required "
                                       "by reinforce_plus_plus and reinforce_plus_plus_baseline, as in slime)")
@@ -114,12 +127,31 @@ class TrainSettings:
     entropy_coef: float = flag(0.0, "weight of the entropy bonus (subtracted from the loss)")
     # truncated importance sampling against the engine's log-probs
     use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
-    tis_cap: float = flag(2.0, "cap of the TIS weight", name="--tis-clip")
-    tis_clip_low: float = flag(0.0, "lower bound of the TIS weight (slime's; 0: none)")
+    tis_cap: float = flag(2.0, "cap of the TIS weight (--tis-function vanilla and icepop)", name="--tis-clip")
+    tis_clip_low: float = flag(0.0, "lower bound of the TIS weight (slime's; 0: none; vanilla and icepop)")
     get_mismatch_metrics: bool = flag(False, "log the train/rollout mismatch metrics of TIS (tis, tis_abs, "
                                       "tis_clipfrac, ois, or a --custom-tis-function-path's own) without --use-tis; "
                                       "the built-in TIS then leaves the loss unweighted, a custom function's result "
                                       "applies as in slime")
+    tis_function: str = flag("vanilla", "the built-in correction (docs/mismatch.md): vanilla (truncated IS, "
+                             "slime's vanilla_tis_function), icepop (ratios outside [--tis-clip-low, --tis-clip] "
+                             "weighted 0, slime's icepop_function), mis (slime's mis.py: --tis-level, --tis-mode, "
+                             "--use-rs...)", choices=TIS_FUNCTIONS)
+    tis_level: str = flag("token", "mis: the ratio of each token, of its sequence (product) or their geometric mean",
+                          choices=MIS_LEVELS)
+    tis_mode: str = flag("truncate", "mis: truncate (cap at --tis-upper-bound), clip (to [--tis-lower-bound, "
+                         "--tis-upper-bound]) or mask (reject the tokens outside)", choices=MIS_MODES)
+    tis_lower_bound: float | None = flag(None, "mis: lower bound of clip and mask (default: 1 / --tis-upper-bound)")
+    tis_upper_bound: float = flag(2.0, "mis: upper bound of the IS weight")
+    use_rs: bool = flag(False, "mis: rejection sampling, tokens whose --rs-level ratio leaves [--rs-lower-bound, "
+                        "--rs-upper-bound] are left out")
+    rs_level: str = flag("token", "mis: the level of the rejection ratio", choices=MIS_LEVELS)
+    rs_lower_bound: float | None = flag(None, "mis: rejection's lower bound (default: the TIS lower bound)")
+    rs_upper_bound: float | None = flag(None, "mis: rejection's upper bound (default: --tis-upper-bound)")
+    rs_veto_threshold: float | None = flag(None, "mis, with --use-rs: a sequence with a token ratio below this is "
+                                           "rejected whole")
+    tis_batch_normalize: bool = flag(False, "mis: divide the weights by their mean over the micro-batch (token or "
+                                     "sequence level)")
     # slime's trainer-side plugins (train_backend/hooks.py); None = not set
     loss_type: str = flag("policy_loss", "custom_loss: --custom-loss-function-path replaces the policy loss",
                           choices=LOSS_TYPES, group=G_HOOKS)
@@ -155,11 +187,7 @@ class TrainSettings:
     def validate(self) -> None:
         """Raise :class:`flags.SettingError` naming the first bad field(s) (the flags, when built by
         ``flags.from_args``)."""
-        def choice(field: str, allowed: tuple[str, ...]) -> None:
-            value = getattr(self, field)
-            if value not in allowed:
-                raise SettingError(field, "{" + field + "}" + f"={value!r}: expected one of {', '.join(allowed)}")
-
+        choice = self._choice
         choice("backend", BACKENDS)
         choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
         choice("loss_agg", LOSS_AGGREGATIONS)
@@ -198,7 +226,13 @@ class TrainSettings:
         if self.max_tokens_per_micro_batch <= 0:
             raise SettingError("max_tokens_per_micro_batch",
                                f"{{max_tokens_per_micro_batch}}={self.max_tokens_per_micro_batch} must be > 0")
-        if not 0 < self.eps_clip < 1:
+        if self.advantage_estimator == "cispo":  # CISPO's lower bound 1 - eps-clip may be 0 (off): eps-clip >= 1
+            if self.eps_clip <= 0:
+                raise SettingError("eps_clip", f"{{eps_clip}}={self.eps_clip} must be > 0")
+            if self.eps_clip_c is not None:
+                raise SettingError(("eps_clip_c", "advantage_estimator"),
+                                   "{eps_clip_c} is PPO's dual clip, which {advantage_estimator} cispo has not")
+        elif not 0 < self.eps_clip < 1:
             raise SettingError("eps_clip", f"{{eps_clip}}={self.eps_clip} must be in (0, 1)")
         if self.eps_clip_high is not None and self.eps_clip_high <= 0:
             raise SettingError("eps_clip_high", f"{{eps_clip_high}}={self.eps_clip_high} must be > 0")
@@ -218,8 +252,62 @@ class TrainSettings:
         if not 0 <= self.tis_clip_low < self.tis_cap:
             raise SettingError(("tis_clip_low", "tis_cap"),
                                f"{{tis_clip_low}}={self.tis_clip_low} must be >= 0 and below {{tis_cap}}={self.tis_cap}")
+        self._validate_tis_function()
         if self.rollout_temperature <= 0:
             raise SettingError("rollout_temperature", f"{{rollout_temperature}}={self.rollout_temperature} must be > 0")
+
+    def _choice(self, field: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self, field)
+        if value not in allowed:
+            raise SettingError(field, "{" + field + "}" + f"={value!r}: expected one of {', '.join(allowed)}")
+
+    def _validate_tis_function(self) -> None:
+        """--tis-function and mis.py's flags: a flag that would not be read is refused, naming it."""
+        choice = self._choice
+        choice("tis_function", TIS_FUNCTIONS)
+        choice("tis_level", MIS_LEVELS)
+        choice("rs_level", MIS_LEVELS)
+        choice("tis_mode", MIS_MODES)
+        if self.custom_tis_function_path and self.tis_function != "vanilla":
+            raise SettingError(("tis_function", "custom_tis_function_path"),
+                               f"{{tis_function}} {self.tis_function} and {{custom_tis_function_path}} both choose the "
+                               "TIS function: give one")
+        if self.tis_function != "vanilla" and not (self.use_tis or self.get_mismatch_metrics):
+            raise SettingError(("tis_function", "use_tis", "get_mismatch_metrics"),
+                               f"{{tis_function}} {self.tis_function} is only applied with {{use_tis}} (its metrics "
+                               "alone: {get_mismatch_metrics})")
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in MIS_FLAGS}
+        changed = tuple(n for n in MIS_FLAGS if getattr(self, n) != defaults[n])
+        if changed and self.tis_function != "mis" and not self.custom_tis_function_path:
+            raise SettingError((*changed, "tis_function", "custom_tis_function_path"),
+                               "{" + "}, {".join(changed) + "} configure {tis_function} mis (or a "
+                               f"{{custom_tis_function_path}} that reads them), not {self.tis_function}")
+        if self.tis_function != "mis":
+            return
+        if self.tis_upper_bound <= 0:
+            raise SettingError("tis_upper_bound", f"{{tis_upper_bound}}={self.tis_upper_bound} must be > 0")
+        lower = self.tis_lower_bound if self.tis_lower_bound is not None else 1.0 / self.tis_upper_bound
+        if self.tis_mode != "truncate" and not 0 <= lower < self.tis_upper_bound:
+            raise SettingError(("tis_lower_bound", "tis_upper_bound"),
+                               f"{{tis_lower_bound}}={lower} must be >= 0 and below {{tis_upper_bound}}="
+                               f"{self.tis_upper_bound}")
+        rs = ("rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
+        if not self.use_rs and any(getattr(self, n) != defaults[n] for n in rs):
+            raise SettingError(("use_rs", *rs), "{rs_level}, {rs_lower_bound}, {rs_upper_bound} and "
+                               "{rs_veto_threshold} have no effect without {use_rs}")
+        if self.use_rs and not self.use_tis:
+            raise SettingError(("use_rs", "use_tis"), "{use_rs} rejects tokens only with {use_tis} (mis.py returns "
+                               "the metrics alone without it)")
+        rs_low = self.rs_lower_bound if self.rs_lower_bound is not None else lower
+        rs_high = self.rs_upper_bound if self.rs_upper_bound is not None else self.tis_upper_bound
+        if self.use_rs and not rs_low < rs_high:
+            raise SettingError(("rs_lower_bound", "rs_upper_bound"),
+                               f"{{rs_lower_bound}}={rs_low} must be below {{rs_upper_bound}}={rs_high}")
+        if self.rs_veto_threshold is not None and self.rs_veto_threshold <= 0:
+            raise SettingError("rs_veto_threshold", f"{{rs_veto_threshold}}={self.rs_veto_threshold} must be > 0")
+        if self.tis_batch_normalize and self.tis_level == "geometric":
+            raise SettingError(("tis_batch_normalize", "tis_level"),
+                               "{tis_batch_normalize} needs {tis_level} token or sequence (as in mis.py)")
 
     def _validate_slime_flags(self) -> None:
         """slime's flags whose values Reservoir cannot honour are refused here, naming why."""

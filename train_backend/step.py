@@ -27,6 +27,7 @@ from train_backend.batching import PackedMicroBatch, RolloutBatch, balance, begi
 from train_backend.hooks import TrainHooks
 from train_backend.losses import (ROLLOUT_SUM_STATS, ROLLOUT_COUNT, STEP_MEAN_STATS, LossConfig, LossDenominators,
                                   aggregate, count_samples_without_loss_tokens, rl_loss)
+from train_backend.mismatch import builtin_importance
 from train_backend.settings import TrainSettings
 
 # What a forward pass gives the loss of one micro-batch: its response tokens' log-probs and
@@ -180,7 +181,9 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
                                "the weights were not updated")
         grad_norms.append(grad_norm)
         lrs.append(lr)
-    stats.losses, tokens = sums.reduce(len(plans), with_plugins=hooks.loss is not None or hooks.tis is not None)
+    # a plugin's or a built-in correction's stats of its own names (mis_*) are gathered too
+    named = hooks.loss is not None or hooks.tis is not None or s.tis_function != "vanilla"
+    stats.losses, tokens = sums.reduce(len(plans), with_plugins=named)
     stats.grad_norm = sum(grad_norms) / len(grad_norms)
     stats.lr = lrs[-1]
     stats.optimizer_steps = len(plans)
@@ -226,7 +229,7 @@ def _micro_batch_loss(backend: StepBackend, p: PackedMicroBatch, denom: LossDeno
     return rl_loss(backend.loss_cfg, denom, logp, logp.detach() if old_logp is None else old_logp, p.advantages,
                    p.loss_mask, p.seq_ids, p.num_seqs, entropy=entropy, ref_logp=ref_logp,
                    rollout_logp=p.rollout_logp, rollout_mask=p.rollout_mask,
-                   importance=hooks.importance(p.total_lengths),
+                   importance=hooks.importance(p.total_lengths) or builtin_importance(s),
                    reducer=hooks.reducer(s.loss_agg, denom, p.total_lengths))
 
 

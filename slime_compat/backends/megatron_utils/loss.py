@@ -12,6 +12,7 @@ from torch import Tensor
 
 from slime_compat.utils.ppo_utils import compute_approx_kl, compute_policy_loss  # noqa: F401  (slime re-exports)
 from train_backend.losses import truncated_is
+from train_backend.mismatch import icepop_is
 
 
 def get_log_probs_and_entropy(logits: Tensor, *, args: Any, unconcat_tokens: list[Tensor], total_lengths: list[int],
@@ -56,9 +57,9 @@ def icepop_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor]
                     ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """slime's IcePop: tokens whose train/rollout ratio lies in ``[args.tis_clip_low, args.tis_clip]``
     weighted by it, the others weighted 0 (their loss masks stay: they still count in the
-    denominators). Metrics as :func:`vanilla_tis_function`'s, ``tis_clipfrac`` the zeroed fraction."""
-    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).detach()  # [N]
-    inside = (ratio >= args.tis_clip_low) & (ratio <= args.tis_clip)
-    weight = torch.where(inside, ratio, torch.zeros_like(ratio))
-    return pg_loss * weight, loss_masks, {"tis": ratio, "tis_clipfrac": (weight != ratio).float(),
-                                          "tis_abs": (ratio - 1).abs()}
+    denominators). Metrics as :func:`vanilla_tis_function`'s, ``tis_clipfrac`` the zeroed fraction.
+    The built-in ``--tis-function icepop`` (:func:`train_backend.mismatch.icepop_is`) itself."""
+    mask = torch.cat(loss_masks)
+    pg, _, stats = icepop_is(pg_loss, torch.cat(train_log_probs), torch.cat(rollout_log_probs), mask,
+                             torch.zeros_like(mask, dtype=torch.long), 1, args.tis_clip, args.tis_clip_low)
+    return pg, loss_masks, stats
