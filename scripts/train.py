@@ -40,13 +40,9 @@ def main(argv: list[str] | None = None) -> Path:
             if not run.is_async:
                 run.generate(step)  # sync: fill the buffer with this step's groups
             groups = run.get_batch(step)  # waits on the buffer (the only wait in async mode)
-            run.crash_point("after_get", step)
             run.train(step, groups)
-            run.crash_point("after_train", step)
             run.update_weights(step + 1)  # engines now serve version step+1
-            run.crash_point("after_push", step)
             run.maybe_save(step)
-            run.crash_point("after_save", step)
             if run.should_eval(step + 1):
                 run.evaluate(step + 1)
             run.log_step(step, step_time=time.perf_counter() - t0)
