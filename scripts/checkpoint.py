@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from arguments import checkpoint_dir
+from scripts.arguments import checkpoint_dir
 
 from buffer.retry import call_buffer
 

@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-import checkpoint
-from arguments import RunSettings, check_inputs
-from faults import crash_point_after, die_in_push
-from metrics_log import MetricsLogger, duration, eval_line, missing_plots, plot_metrics, read_metrics
-from producer import AsyncProducer
+from scripts import checkpoint
+from scripts.arguments import RunSettings, check_inputs
+from scripts.faults import crash_point_after, die_in_push
+from scripts.metrics_log import MetricsLogger, duration, eval_line, missing_plots, plot_metrics, read_metrics
+from scripts.producer import AsyncProducer
 
 from buffer.retry import call_buffer
 from metric_keys import EVAL_ACCURACY, ROLLOUT_REWARD_MEAN, ROLLOUT_TIME, STEP_TIME, TRAIN_TIME, WEIGHT_SYNC_TIME
@@ -100,7 +100,7 @@ class Run:
     def _maybe_build_toy_model(self) -> None:
         ckpt = self._toy_model_to_build()
         if ckpt is not None:
-            import make_toy_model
+            from scripts import make_toy_model
 
             print(f"building the toy model at {ckpt} (--build-toy-model)")
             make_toy_model.main(["--out", str(ckpt), "--warmup-steps", str(self.s.toy_warmup_steps)])

@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: Python put scripts/ first on sys.path; the repo root instead,
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # so its siblings import as scripts.x (scripts/__init__.py)
 
 COMMAND = "python scripts/flags_doc.py > docs/flags.md"
 
@@ -64,7 +64,7 @@ def _signature(actions: list[argparse.Action]) -> list[tuple]:
 def render() -> str:
     """The page: the launcher's sections, then the standalone command's (those equal to the launcher's named only)."""
     import rollout_manager.__main__ as standalone
-    from arguments import build_parser
+    from scripts.arguments import build_parser
 
     launcher = _groups(build_parser())
     lines = [_HEADER, "## `scripts/train.py`\n"]

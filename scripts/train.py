@@ -14,16 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: Python put scripts/ first on sys.path; the repo root instead,
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # so its siblings import as scripts.x (scripts/__init__.py)
 
-from arguments import parse  # noqa: E402
+from scripts.arguments import parse  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
     args, settings = parse(argv)  # args: only what plugins get; the run reads settings. Checks the input files
     from buffer.ray_errors import error_line
-    from components import Run  # after parse: its imports (torch) are slow, a usage error is not
+    from scripts.components import Run  # after parse: its imports (torch) are slow, a usage error is not
 
     try:
         run = Run.start(args, settings)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_flags_page_is_current():
     """docs/flags.md is what scripts/flags_doc.py prints from the declarations (a changed flag
     regenerates it), and lists every flag of both entry points."""
-    import flags_doc
-    from arguments import build_parser
+    from scripts import flags_doc
+    from scripts.arguments import build_parser
 
     import rollout_manager.__main__ as standalone
 

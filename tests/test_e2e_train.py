@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def warm_toy(tmp_path_factory) -> Path:
-    import make_toy_model
+    from scripts import make_toy_model
 
     return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("toy") / "model"), "--warmup-steps", "60"])
 

@@ -11,7 +11,7 @@ import textwrap
 from dataclasses import dataclass, fields
 
 import pytest
-from arguments import LauncherSettings
+from scripts.arguments import LauncherSettings
 
 import buffer.settings
 import rollout_manager.settings
@@ -74,7 +74,7 @@ def test_from_args_raises_errors_naming_the_flags():
 def test_cli_errors_name_the_declared_flag(toy_model_dir, capsys):
     """Through the launcher: the flags declared by the fields (``--lr-warmup-iters`` sets
     ``lr_warmup_steps``, ``--tis-clip`` sets ``tis_cap``), with the values given."""
-    from arguments import parse_args
+    from scripts.arguments import parse_args
 
     base = ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data/train.jsonl")]
     for extra, msg in ((["--lr-warmup-iters", "-1"], "--lr-warmup-iters=-1 must be >= 0"),
