@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import arguments
 from _fixtures_buffer import ray_local  # noqa: F401  (fixture)
 from _fixtures_engine import engine_model, run, start_engine, stop_process  # noqa: F401
+from scripts import arguments
 from scripts.arguments import parse_args
 from sglang_protocol.client import EngineClient, EngineError
 from weight_sync.arguments import Placement, resolve_transport

@@ -24,9 +24,9 @@ import pytest
 from aiohttp import web
 
 from _fixtures_rollout import make_args
-from scripts.arguments import parse, parse_args
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engines import EngineFleet, ManagedEngine
+from scripts.arguments import parse, parse_args
 from sglang_oracle import running_oracles
 from sglang_protocol.client import EngineClient
 from weight_sync.interfaces import WeightSyncSettings
