@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import platform
 import shutil
@@ -41,10 +40,9 @@ from sglang_protocol.client import EngineClient  # noqa: E402
 
 
 def build_models(tmp: Path) -> dict[str, Path]:
-    spec = importlib.util.spec_from_file_location("make_toy_model", ROOT / "scripts" / "make_toy_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    toy = mod.main(["--out", str(tmp / "toy"), "--num-train", "10", "--num-eval", "4"])
+    from scripts import make_toy_model
+
+    toy = make_toy_model.main(["--out", str(tmp / "toy"), "--num-train", "10", "--num-eval", "4"])
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

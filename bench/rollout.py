@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from sglang_protocol.client import EngineClient, new_session  # noqa: E402
 from sglang_protocol.net import free_port  # noqa: E402
@@ -395,7 +395,7 @@ def main() -> None:
     if a.serve_fast is not None:
         serve_fast(a.serve_fast)
         return
-    import make_toy_model
+    from scripts import make_toy_model
 
     load_before = os.getloadavg()[0]  # other work on the box moves these numbers a lot: record it
     model = make_toy_model.main(["--out", tempfile.mkdtemp(prefix="bench-toy-") + "/model"])

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def _load(name: str, path: Path):
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import LlamaConfig
 
-    import make_toy_model
+    from scripts import make_toy_model
     from _fixtures_sglang import sglang_version, start_sglang, stop_sglang
     from sglang_protocol.net import free_port
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path.insert(0, str(ROOT))
 
 from buffer.sample import Sample, Status  # noqa: E402
 from train_backend import TrainSettings, create_backend  # noqa: E402
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    import make_toy_model
+    from scripts import make_toy_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from train_backend.batching import prepare_batch

@@ -68,8 +68,7 @@ def write_template(name: str, out: Path) -> Path:
     started with ``--load-format dummy`` reads."""
     from transformers import LlamaConfig
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_toy_model import build_tokenizer
+    from scripts.make_toy_model import build_tokenizer
 
     tmpl = out / f"{name}_template"
     tmpl.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             kw["nargs"] = spec.nargs or "+"
         if spec.choices is not None:
             kw["choices"] = spec.choices
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kw["required"] = True  # a field without a default: its flag must be given
         group.add_argument(flag_name(f), *spec.aliases, **kw)
 
 
@@ -186,6 +188,15 @@ class SettingError(ValueError):
         if lead and lead.group(1) in self.fields:
             return message
         return f"{', '.join(name(f) or f for f in self.fields)}: {message}"
+
+
+def check_choice(settings: Any, name: str, allowed: tuple[str, ...]) -> None:
+    """For a settings class's checks: a :class:`SettingError` when the field ``name`` is not one of
+    ``allowed`` (argparse checks a flag's ``choices``; settings built in code are checked here),
+    e.g. ``"dtype='fp8': expected one of auto, float32"`` (the flag, built from flags)."""
+    value = getattr(settings, name)
+    if value not in allowed:
+        raise SettingError(name, "{" + name + "}" + f"={value!r}: expected one of {', '.join(allowed)}")
 
 
 _BOUNDS = {">": operator.gt, ">=": operator.ge}

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from buffer.settings import BufferSettings
-from config import load_config_defaults
 from flags import SettingError, add_flags, check_bound, flag, flag_of, from_args
 from flags.parser import ArgumentParser
 from rollout_manager.settings import EngineFleetSettings, RolloutLoopSettings, RolloutSettings, SamplingSettings
+from scripts.config import load_config_defaults
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import TrainSettings
 
@@ -151,7 +151,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunSetting
     args = parser.parse_args(argv)
     args.sglang_args = sglang_args
     if args.build_toy_model and not any(a == flag_of(LauncherSettings, "build_toy_model") for a in argv):
-        import make_toy_model
+        from scripts import make_toy_model
 
         # a config file's build-toy-model builds only the toy model's own directory
         args.build_toy_model = Path(args.hf_checkpoint or "").resolve() == make_toy_model.DEFAULT_DIR

@@ -1,5 +1,8 @@
-"""The parts of a run, built once from the parsed flags, and each step of the schedule as one
-named method. ``scripts/train.py`` reads the schedule; this module does the wiring.
+"""The parts of a run, built once from the parsed flags (start-up and wiring), and each step of
+the schedule as one named method. ``scripts/train.py`` reads the schedule; this module does the
+wiring. The driver's checkpoint (what a save writes, what ``--load`` reads back) lives in
+``checkpoint.py``; fault injection for the reliability tests in ``faults.py``, whose crash points
+mark the ends of the step methods here.
 """
 
 from __future__ import annotations
@@ -9,11 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import random
-import re
-import signal
 import threading
 import time
 from pathlib import Path
@@ -22,16 +22,15 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from arguments import RunSettings, check_inputs, checkpoint_dir
-from metrics_log import MetricsLogger, duration, eval_line, missing_plots, plot_metrics, read_metrics
-from producer import AsyncProducer
+from scripts import checkpoint
+from scripts.arguments import RunSettings, check_inputs
+from scripts.faults import crash_point_after, die_in_push
+from scripts.metrics_log import MetricsLogger, duration, eval_line, missing_plots, plot_metrics, read_metrics
+from scripts.producer import AsyncProducer
 
 from buffer.retry import call_buffer
 from metric_keys import EVAL_ACCURACY, ROLLOUT_REWARD_MEAN, ROLLOUT_TIME, STEP_TIME, TRAIN_TIME, WEIGHT_SYNC_TIME
 
-STATE_FILE = "driver_state.json"
-CRASH_ENV = "RESERVOIR_CRASH_AT"  # fault injection for the reliability tests: "<point>:<step>"
-_ROLLOUT_PUT = re.compile(r"rollout-(\d+)")  # the put id of rollout k (rollout_manager's push)
 _GET_POLL_S = 10.0  # async mode: how long one buffer wait lasts before the producer is checked
 
 
@@ -87,7 +86,9 @@ class Run:
                                    run_config={k: v for k, v in vars(args).items() if _is_plain(v) and k != "wandb_key"},
                                    wandb_group=run.s.wandb_group, wandb_key=run.s.wandb_key)
         if run.s.load:
-            run._resume(run.s.load)
+            run.start_step, run.first_rollout = checkpoint.resume(run.s.load, trainer=run.trainer,
+                                                                  rollout=run.rollout, buffer=run.buffer,
+                                                                  logger=run.logger)
         if run.trainer is not None and run.rollout is not None:
             run._connect_weight_sync()
         return run
@@ -99,7 +100,7 @@ class Run:
     def _maybe_build_toy_model(self) -> None:
         ckpt = self._toy_model_to_build()
         if ckpt is not None:
-            import make_toy_model
+            from scripts import make_toy_model
 
             print(f"building the toy model at {ckpt} (--build-toy-model)")
             make_toy_model.main(["--out", str(ckpt), "--warmup-steps", str(self.s.toy_warmup_steps)])
@@ -193,7 +194,7 @@ class Run:
         self.trainer.connect_weight_sync(sync, self.engine_urls, gpus, self.buffer)
         self.weight_sync_connected = True
         if self.start_step > 0:  # resumed: the engines still serve the initial checkpoint
-            self.update_weights(self.start_step)
+            self._push_weights(self.start_step)
         if self.engine_memory is not None:  # the engines serve the trainer's weights: they generate again
             self.engine_memory.resume()
 
@@ -227,6 +228,7 @@ class Run:
         with self._timer(ROLLOUT_TIME.key):
             self._pending.update(ray.get(self.rollout.push.remote(step, self.buffer)))
 
+    @crash_point_after("after_get")
     def get_batch(self, step: int) -> list[list[Any]]:
         """Take this step's groups: from the buffer, or from a debug dump (--debug-train-only)."""
         from buffer.arrow import read_parquet, write_parquet
@@ -245,6 +247,7 @@ class Run:
             self._pending["perf/staleness_max"] = float(max(lags))
         return groups
 
+    @crash_point_after("after_train")
     def train(self, step: int, groups: list[list[Any]]) -> None:
         """Train on this step's groups; their metrics wait for ``log_step`` (no-op with ``--debug-rollout-only``).
 
@@ -258,62 +261,35 @@ class Run:
         with self._timer(TRAIN_TIME.key):
             self._pending.update(self.trainer.train_step(groups, step))
 
+    @crash_point_after("after_push", step_of=lambda version: version - 1)
     def update_weights(self, version: int) -> None:
         """Push the trainer's weights to every engine; the buffer's version becomes ``version``."""
+        self._push_weights(version)
+
+    def _push_weights(self, version: int) -> None:
         if not self.weight_sync_connected:
             return
         with self._timer(WEIGHT_SYNC_TIME.key):
-            metrics = self.trainer.push_weights(version, self._fault_in_push(version - 1))
+            metrics = self.trainer.push_weights(version, die_in_push(version - 1))
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
         if self.engine_memory is not None:  # --colocate: the new weights are in; the KV cache comes back
             with self._timer("perf/resume_memory_time"):
                 self.engine_memory.resume()
 
+    @crash_point_after("after_save")
     def maybe_save(self, step: int) -> None:
-        """Checkpoint at each --save-interval step and the last; the buffer's consumption up to
-        ``step`` becomes final with it. A run without --save can never go back to an earlier step,
-        so its consumption is final as each step ends (else every batch would stay leased in the
-        buffer, and with --buffer-dir in its segments, for the whole run)."""
+        """Checkpoint at each --save-interval step and the last (``checkpoint.save``); the buffer's
+        consumption up to ``step`` becomes final with it (without --save: at once)."""
         if not self.s.save:
             if self.buffer is not None:
-                call_buffer(self.buffer, "commit", step, covered_put_ids=call_buffer(self.buffer, "known_put_ids"))
+                checkpoint.commit_without_checkpoint(self.buffer, step)
             return
         if not self.s.save_interval or (step + 1) % self.s.save_interval and step + 1 != self.s.num_rollout:
             return
         with self._timer("perf/save_time"):
-            path = Path(self.s.save) / f"step_{step:06d}"
-            if self.trainer is not None:
-                self.trainer.save(str(path / "trainer"))
-                if self.settings.train.save_hf:
-                    self.trainer.export_hf(self.settings.train.save_hf.format(rollout_id=step))
-            # the driver's own RNGs; each trainer rank's are in its backend checkpoint (rng_<rank>.pt)
-            state = {"step": step, "rng": _rng_state(), "weight_version": step + 1}
-            puts = call_buffer(self.buffer, "known_put_ids") if self.buffer is not None else []
-            if self.rollout is not None:
-                state.update(self._rollout_position(step, puts))
-            _write_json(path / STATE_FILE, state)
-            _write_json(Path(self.s.save) / "latest.json", {"step": step, "path": str(path)})
-            if self.buffer is not None:  # consumption up to `step` is final only now
-                covered = [p for p in puts
-                           if (m := _ROLLOUT_PUT.fullmatch(p)) and int(m.group(1)) <= state.get("rollouts_put", -1)]
-                call_buffer(self.buffer, "commit", step, covered_put_ids=covered)
-
-    def _rollout_position(self, step: int, put_ids: list[str]) -> dict[str, Any]:
-        """The data position the checkpoint records, and the last rollout whose put it covers.
-
-        Sync mode: rollout ``step`` was put, nothing runs. Async mode: the producer runs on; the
-        buffer names the last rollout it stored (``put_ids``: the ids it knows), and the position
-        is the one noted right after that put. Every group trained so far was put before, so it is
-        covered; rollouts after it are forgotten by the buffer at resume and generated again from
-        this position.
-        """
-        import ray
-
-        if self._producer is None:
-            return {"rollout": ray.get(self.rollout.state_dict.remote()), "rollouts_put": step}
-        last = max((int(m.group(1)) for p in put_ids if (m := _ROLLOUT_PUT.fullmatch(p))),
-                   default=self.first_rollout - 1)
-        return {"rollout": self._producer.position_after(last), "rollouts_put": last}
+            checkpoint.save(self.s.save, step, trainer=self.trainer, buffer=self.buffer, rollout=self.rollout,
+                            producer=self._producer, first_rollout=self.first_rollout,
+                            save_hf=self.settings.train.save_hf)
 
     def should_eval(self, step: int, before_train: bool = False) -> bool:
         """Whether to evaluate at ``step``: every ``--eval-interval`` steps and at the last one.
@@ -405,48 +381,16 @@ class Run:
             lines.append("  plots:       none (--no-plots)")
         if (out / "tensorboard").is_dir():
             lines.append(f"  tensorboard: {out / 'tensorboard'}")
-        latest = Path(s.save or "", "latest.json")
-        lines.append(f"  checkpoint:  {json.loads(latest.read_text())['path']} (the last; --load {s.save} resumes)"
-                     if s.save and latest.is_file() else "  checkpoint:  none (--save DIR writes them)")
+        last = checkpoint.latest(s.save)
+        lines.append(f"  checkpoint:  {last['path']} (the last; --load {s.save} resumes)"
+                     if last else "  checkpoint:  none (--save DIR writes them)")
         if (out / "logs").is_dir():
             lines.append(f"  engine logs: {out / 'logs'}")
         return "\n".join(lines)
 
     def resume_hint(self) -> str:
         """What to run after a failure: the last checkpoint and ``--load`` (exactly once from it)."""
-        latest = Path(self.s.save or "", "latest.json")
-        if not self.s.save or not latest.is_file():
-            return "no checkpoint was written (--save, --save-interval): a new run starts from the beginning"
-        step = json.loads(latest.read_text())["step"]
-        return f"the last checkpoint is step {step}'s: add --load {self.s.save} to resume from it"
-
-    # --- resume --------------------------------------------------------------------------
-    def _resume(self, load_dir: str) -> None:
-        import ray
-
-        path = checkpoint_dir(load_dir)
-        state = json.loads((path / STATE_FILE).read_text())
-        if self.trainer is not None:
-            self.trainer.load(str(path / "trainer"))
-        step = state["step"]
-        covered = state.get("rollouts_put", step)  # checkpoints before "rollouts_put": sync mode's rule
-        if self.rollout is not None and "rollout" in state:
-            ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
-        if self.buffer is not None:
-            # The buffer may be ahead of the checkpoint: later versions recorded, later rollouts
-            # stored. Back to the checkpoint's version, and forget the rollouts it does not cover.
-            forget = [p for p in call_buffer(self.buffer, "known_put_ids")
-                      if (m := _ROLLOUT_PUT.fullmatch(p)) and int(m.group(1)) > covered]
-            returned = call_buffer(self.buffer, "rewind", step, weight_version=state.get("weight_version", step + 1),
-                                   forget_put_ids=forget)
-            print(f"resumed from {path}: step {step}, {returned} consumed-but-untrained groups back in the buffer, "
-                  f"{len(forget)} later rollout(s) to generate again", flush=True)
-        _set_rng_state(state["rng"])
-        self.start_step = step + 1
-        self.first_rollout = covered + 1
-        dropped = self.logger.truncate_after(step)
-        if dropped:
-            print(f"metrics.jsonl: {dropped} record(s) after step {step} dropped (the resumed run logs them again)")
+        return checkpoint.resume_hint(self.s.save)
 
     # --- helpers -------------------------------------------------------------------------
     def _get_async(self, step: int) -> list[list[Any]]:
@@ -460,40 +404,6 @@ class Run:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-
-    def crash_point(self, point: str, step: int) -> None:
-        """Fault injection for the reliability tests, which stop a run at an exact place:
-        ``RESERVOIR_CRASH_AT`` is a comma-separated list of ``<point>:<step>`` (SIGKILL this driver
-        there), ``buffer@<point>:<step>`` (SIGKILL the buffer actor's process, then go on) and
-        ``trainer@<point>:<step>`` (kill the last trainer rank's process, then go on: the next
-        trainer call fails), ``router@<point>:<step>`` and ``engine@<point>:<step>`` (SIGKILL the
-        router, or engine 0, then go on: the fleet's monitor restarts it). One point lies inside a
-        call: ``trainer@in_push:<step>`` (``_fault_in_push``)."""
-        import ray
-
-        for target in _crash_targets(point, step):
-            print(f"{CRASH_ENV}: SIGKILL {target or 'driver'} at {point} of step {step}", flush=True)
-            if target == "buffer":
-                os.kill(ray.get(self.buffer.ping.remote()), signal.SIGKILL)
-            elif target == "trainer":
-                _kill_actor(self.trainer.ranks[-1])
-            elif target in ("router", "engine"):
-                ray.get(self.rollout.kill.remote(target))
-            else:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    def _fault_in_push(self, step: int) -> Callable[[int, int], None] | None:
-        """``trainer@in_push:<step>`` in ``RESERVOIR_CRASH_AT``: a push progress callback with
-        which trainer rank 0, the pushing rank, SIGKILLs itself once the engines answered the first
-        bucket of step ``step``'s push, so it dies with the engines paused, inside a weight-update
-        session, holding part of the new weights. Else None."""
-        if "trainer" not in _crash_targets("in_push", step):
-            return None
-        print(f"{CRASH_ENV}: SIGKILL trainer rank 0 in the push of step {step}", flush=True)
-
-        def die(done: int, total: int) -> None:  # defined here: Ray pickles it by value for rank 0
-            os.kill(os.getpid(), signal.SIGKILL)
-        return die
 
     @contextlib.contextmanager
     def _timer(self, key: str):
@@ -520,21 +430,6 @@ def start_ray(address: str | None) -> None:
              logging_level="WARNING")
 
 
-def _crash_targets(point: str, step: int) -> list[str]:
-    """What ``RESERVOIR_CRASH_AT`` kills at ``point`` of ``step`` (``""``: the driver); raises
-    ValueError for a spec there naming an unknown target (see ``Run.crash_point``)."""
-    targets = []
-    for spec in filter(None, os.environ.get(CRASH_ENV, "").split(",")):
-        target, _, where = spec.rpartition("@")
-        if where != f"{point}:{step}":
-            continue
-        if target not in ("", "buffer", "trainer", "router", "engine"):
-            raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} "
-                             "(buffer, trainer, router, engine, or none)")
-        targets.append(target)
-    return targets
-
-
 def _side_by_side(calls: list[Callable[[], None]]) -> None:
     """Run ``calls`` each in its own thread and wait for all; raise the first one's error (in
     ``calls`` order). Daemon threads: Ctrl-C while a part is starting ends the launcher at once
@@ -557,21 +452,6 @@ def _side_by_side(calls: list[Callable[[], None]]) -> None:
             raise e
 
 
-def _kill_actor(actor: Any, timeout_s: float = 60.0) -> None:
-    """End an actor's process now (``ray.kill``) and return once Ray reports it dead, so the next
-    call to it fails as a dead process's would (the kill itself is asynchronous)."""
-    import ray
-
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-    raise TimeoutError(f"{CRASH_ENV}: the actor did not die within {timeout_s:.0f} s of ray.kill")
-
-
 def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
     """Per-key mean of several metric records (keys missing from some records average the rest)."""
     keys = {k for r in records for k in r}
@@ -580,26 +460,3 @@ def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
 
 def _is_plain(v: Any) -> bool:
     return isinstance(v, (str, int, float, bool, type(None))) or (isinstance(v, list) and all(map(_is_plain, v)))
-
-
-def _rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": repr(random.getstate()), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
-            "torch": torch.get_rng_state().tolist()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import ast
-
-    random.setstate(ast.literal_eval(state["python"]))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomic write: a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)

@@ -22,8 +22,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_toy_model import make_task, write_task  # noqa: E402  (the sibling script)
+if __package__ in (None, ""):  # run as a file: Python put scripts/ first on sys.path; the repo root instead,
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # so its siblings import as scripts.x (scripts/__init__.py)
+
+from scripts.make_toy_model import make_task, write_task  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is {a} + {b}? Answer with just the number."

@@ -1,4 +1,4 @@
-"""Print docs/flags.md: every flag of both entry points, read from their parsers (so from the
+"""Print docs/flags.md: every flag of the three entry points, read from their parsers (so from the
 flags' one declaration each, :mod:`flags`), grouped as ``--help`` groups them::
 
     python scripts/flags_doc.py > docs/flags.md
@@ -12,15 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: Python put scripts/ first on sys.path; the repo root instead,
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # so its siblings import as scripts.x (scripts/__init__.py)
 
 COMMAND = "python scripts/flags_doc.py > docs/flags.md"
 
 _HEADER = f"""# Flags
 
-Every flag of `scripts/train.py` and of `python -m rollout_manager`, grouped as their `--help`
-groups them; an empty default is none. Generated from the flag declarations (the settings
+Every flag of `scripts/train.py`, of `python -m rollout_manager` and of `python -m embedded_engine`
+(the CPU engine the fleet starts), grouped as their `--help` groups them; an empty default is none. Generated from the flag declarations (the settings
 dataclasses' `flag(...)` fields): edit those, not this page, and regenerate it with
 `{COMMAND}`. SGLang's own flags pass through as `--sglang-<flag>`,
 sglang-router's as `--sglang-router-<flag>` (`rollout_manager/arguments.py`).
@@ -62,9 +62,11 @@ def _signature(actions: list[argparse.Action]) -> list[tuple]:
 
 
 def render() -> str:
-    """The page: the launcher's sections, then the standalone command's (those equal to the launcher's named only)."""
+    """The page: the launcher's sections, then the standalone rollout command's (those equal to the
+    launcher's named only), then the embedded engine's flags."""
     import rollout_manager.__main__ as standalone
-    from arguments import build_parser
+    from embedded_engine.settings import build_parser as engine_parser
+    from scripts.arguments import build_parser
 
     launcher = _groups(build_parser())
     lines = [_HEADER, "## `scripts/train.py`\n"]
@@ -78,8 +80,11 @@ def render() -> str:
         else:
             lines += [f"### {title}\n", *_table(actions), ""]
     if same:
-        lines.append("The sections " + ", ".join(f"*{t}*" for t in same) + " as for `scripts/train.py` above.")
-    return "\n".join(lines) + "\n"
+        lines += ["The sections " + ", ".join(f"*{t}*" for t in same) + " as for `scripts/train.py` above.", ""]
+    lines.append("## `python -m embedded_engine`\n")
+    for actions in _groups(engine_parser()).values():
+        lines += [*_table(actions), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 if __name__ == "__main__":

@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .device/sglang/setup_sglang.sh ]; then source .device/sglang/setup_sglang.sh; fi
 if [ -f .device/bundle/setup.sh ]; then source .device/bundle/setup.sh; fi
-export PYTHONPATH=$PWD:$PWD/scripts:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 exec python3 -m pytest -m sglang -p no:cacheprovider -s -q tests/test_sglang_gpu.py "$@"

@@ -14,16 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: Python put scripts/ first on sys.path; the repo root instead,
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # so its siblings import as scripts.x (scripts/__init__.py)
 
-from arguments import parse  # noqa: E402
+from scripts.arguments import parse  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
     args, settings = parse(argv)  # args: only what plugins get; the run reads settings. Checks the input files
     from buffer.ray_errors import error_line
-    from components import Run  # after parse: its imports (torch) are slow, a usage error is not
+    from scripts.components import Run  # after parse: its imports (torch) are slow, a usage error is not
 
     try:
         run = Run.start(args, settings)  # Ray, buffer, rollout manager + engines + router, trainer, weight sync; resume
@@ -40,13 +40,9 @@ def main(argv: list[str] | None = None) -> Path:
             if not run.is_async:
                 run.generate(step)  # sync: fill the buffer with this step's groups
             groups = run.get_batch(step)  # waits on the buffer (the only wait in async mode)
-            run.crash_point("after_get", step)
             run.train(step, groups)
-            run.crash_point("after_train", step)
             run.update_weights(step + 1)  # engines now serve version step+1
-            run.crash_point("after_push", step)
             run.maybe_save(step)
-            run.crash_point("after_save", step)
             if run.should_eval(step + 1):
                 run.evaluate(step + 1)
             run.log_step(step, step_time=time.perf_counter() - t0)

@@ -8,22 +8,18 @@ Tests that open sockets must run inside a loopback-only network namespace (as CI
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import subprocess
 from pathlib import Path
 from typing import Any, Awaitable, Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def make_toy_model(out: Path, *extra: str) -> Path:
     """Build the toy model through scripts/make_toy_model.py's main (the users' code path)."""
-    spec = importlib.util.spec_from_file_location("make_toy_model", ROOT / "scripts" / "make_toy_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod.main(["--out", str(out), "--num-train", "10", "--num-eval", "4", *extra])
+    from scripts import make_toy_model
+
+    return make_toy_model.main(["--out", str(out), "--num-train", "10", "--num-eval", "4", *extra])
 
 
 @pytest.fixture(scope="session")

@@ -3,19 +3,15 @@ same script users run (``scripts/make_toy_model.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[1]
-
 
 def _make_toy_model_main():
-    spec = importlib.util.spec_from_file_location("make_toy_model", _ROOT / "scripts" / "make_toy_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod.main
+    from scripts import make_toy_model
+
+    return make_toy_model.main
 
 
 @pytest.fixture(scope="session")

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(ROOT / "scripts"))
 
 
 @pytest.fixture(scope="session")
 def toy_model_dir(tmp_path_factory) -> Path:
     """The toy chat model + arithmetic task (random weights), built once per test session."""
-    import make_toy_model
+    from scripts import make_toy_model
 
     return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("toy") / "model")])

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import arguments
 from _fixtures_buffer import ray_local  # noqa: F401  (fixture)
 from _fixtures_engine import engine_model, run, start_engine, stop_process  # noqa: F401
-from arguments import parse_args
+from scripts import arguments
+from scripts.arguments import parse_args
 from sglang_protocol.client import EngineClient, EngineError
 from weight_sync.arguments import Placement, resolve_transport
 from weight_sync.engines import EngineMemory
@@ -131,7 +131,7 @@ def test_colocation_derives_the_engines_gpus_and_placement(base, gpus):
 def test_a_mapped_colocated_run_lays_the_torch_trainers_parameters_flat(base, gpus):
     """With --colocate (--update-weight-load-format auto: mapped) the torch trainer is told to keep its
     parameters in one buffer per dtype (one handle per push); otherwise not."""
-    from arguments import parse
+    from scripts.arguments import parse
 
     gpus(0)
     assert parse(base + ["--colocate"])[1].train.flat_params  # auto: mapped when colocated
@@ -383,7 +383,7 @@ def test_colocated_launcher_run_on_one_gpu(tmp_path, offload_params):
     state after every push and come back for the next step (the pushes then check their bytes)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import make_toy_model
+    from scripts import make_toy_model
 
     model = make_toy_model.main(["--out", str(tmp_path / "model"), "--warmup-steps", "20"])
     config = tmp_path / "colocate_1gpu.yaml"  # the example's, without TensorBoard (not needed here)

@@ -11,15 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_flags_page_is_current():
     """docs/flags.md is what scripts/flags_doc.py prints from the declarations (a changed flag
-    regenerates it), and lists every flag of both entry points."""
-    import flags_doc
-    from arguments import build_parser
-
+    regenerates it), and lists every flag of the three entry points."""
     import rollout_manager.__main__ as standalone
+    from embedded_engine.settings import build_parser as engine_parser
+    from scripts import flags_doc
+    from scripts.arguments import build_parser
 
     page = (ROOT / "docs/flags.md").read_text()
     assert page == flags_doc.render(), f"docs/flags.md is stale: regenerate it with `{flags_doc.COMMAND}`"
-    for parser in (build_parser(), standalone.build_parser()):
+    for parser in (build_parser(), standalone.build_parser(), engine_parser()):
         missing = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"
                    and f"`{o}`" not in page]
         assert missing == [], f"{parser.prog}: flags missing from docs/flags.md: {missing}"

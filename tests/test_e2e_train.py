@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def warm_toy(tmp_path_factory) -> Path:
-    import make_toy_model
+    from scripts import make_toy_model
 
     return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("toy") / "model"), "--warmup-steps", "60"])
 
@@ -39,7 +39,7 @@ def train_cmd(model: Path, out: Path, *extra: str) -> list[str]:
 
 def run_train(model: Path, out: Path, *extra: str, timeout: float = 400, crash_at: str = "") -> list[dict]:
     """Run the launcher to the end; its stdout is appended to ``out/launcher.log``. ``crash_at``:
-    RESERVOIR_CRASH_AT for it (fault injection, scripts/components.py)."""
+    RESERVOIR_CRASH_AT for it (fault injection, scripts/faults.py)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT=crash_at)
     proc = subprocess.run(train_cmd(model, out, *extra), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -138,7 +138,7 @@ def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
     n_steps, batch = 8, 16
     extra = ["--num-rollout", str(n_steps), "--save", str(ckpt), "--save-interval", "2", "--max-weight-staleness", "0",
              "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"), "--rollout-batch-size", str(batch)]
-    # the driver SIGKILLs itself right after step 5 took its batch (scripts/components.Run.crash_point);
+    # the driver SIGKILLs itself right after step 5 took its batch (scripts/faults.py);
     # then the rest of the job (Ray, engines, router) is killed with its process group
     env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="after_get:5")
     with open(tmp_path / "first.log", "w") as log:

@@ -125,13 +125,27 @@ def test_runner_join_and_leave_keep_rows_exact(engine_model):
         assert max(abs(a - b) for a, b in zip(ref, lp)) <= 1e-5
 
 
-def test_settings_validation_and_cli_roundtrip(tmp_path):
-    with pytest.raises(ValueError, match="--dtype"):
+def test_settings_validation_and_cli_roundtrip(tmp_path, capsys, monkeypatch):
+    """Built in code, a bad setting names the field; from the command line, the flag (one
+    declaration each: flags.flag). to_cli and the parser agree, the keys come from the environment."""
+    with pytest.raises(ValueError, match=r"^dtype='fp8': expected one of auto, float32, bfloat16, float16$"):
         EngineSettings(model_path=str(tmp_path), dtype="fp8")
-    with pytest.raises(ValueError, match="--max-running-requests"):
+    with pytest.raises(ValueError, match=r"^max_running_requests must be >= 1, got 0$"):
         EngineSettings(model_path=str(tmp_path), max_running_requests=0)
-    s = EngineSettings(model_path=str(tmp_path), port=1234, random_seed=3, context_length=64)
+    for argv, error in ((["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+                        (["--device", "tpu"], "--device='tpu': expected cpu or cuda[:i]"),
+                        (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'")):
+        with pytest.raises(SystemExit):
+            parse_settings(["--model-path", str(tmp_path), *argv])
+        assert f"python -m embedded_engine: error: {error}" in capsys.readouterr().err
+    s = EngineSettings(model_path=str(tmp_path), port=1234, random_seed=3, context_length=64,
+                       custom_weight_loader="a.load b.load", weight_update_timeout_s=5.0)
     assert parse_settings(s.to_cli()) == s
+    monkeypatch.setenv("RESERVOIR_ENGINE_ADMIN_API_KEY", "from-env")
+    keyed = parse_settings(["--model-path", str(tmp_path), "--api-key", "k"])
+    assert (keyed.api_key, keyed.admin_api_key) == ("k", "from-env") and "k" not in s.to_cli()
+    assert parse_settings(["--model-path", str(tmp_path), "--custom-weight-loader", "a.load", "b.load"]
+                          ).weight_loaders() == ["a.load", "b.load"]
 
 
 def test_flattened_bucket_roundtrip_and_checksums():

@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
-    import convert_smollm2
+    from scripts import convert_smollm2
 
     return convert_smollm2.main(["--out", str(tmp_path_factory.mktemp("smollm2") / "model"),
                                  "--num-train", "64", "--num-eval", "8"])

@@ -82,8 +82,7 @@ def test_a_missing_input_fails_in_one_line_before_anything_starts(toy_model_dir,
 
 
 def test_help_still_lists_every_option():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from arguments import build_parser
+    from scripts.arguments import build_parser
 
     text = build_parser().format_help()
     assert "--num-rollout" in text and "--prompt-data" in text and len(text.splitlines()) > 100

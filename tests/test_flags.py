@@ -11,16 +11,18 @@ import textwrap
 from dataclasses import dataclass, fields
 
 import pytest
-from arguments import LauncherSettings
 
 import buffer.settings
+import embedded_engine.settings
 import rollout_manager.settings
 import train_backend.settings
 from buffer.settings import BufferSettings
+from embedded_engine.settings import EngineSettings
 from flags import SettingError, add_flags, flag, from_args
 from rollout_manager.__main__ import CliSettings
 from rollout_manager.settings import (DataSettings, EngineFleetSettings, PluginSettings, RolloutLoopSettings,
                                       RolloutSettings, SamplingSettings)
+from scripts.arguments import LauncherSettings
 from train_backend.megatron.arguments import MegatronSettings
 from train_backend.settings import TrainSettings
 
@@ -74,7 +76,7 @@ def test_from_args_raises_errors_naming_the_flags():
 def test_cli_errors_name_the_declared_flag(toy_model_dir, capsys):
     """Through the launcher: the flags declared by the fields (``--lr-warmup-iters`` sets
     ``lr_warmup_steps``, ``--tis-clip`` sets ``tis_cap``), with the values given."""
-    from arguments import parse_args
+    from scripts.arguments import parse_args
 
     base = ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data/train.jsonl")]
     for extra, msg in ((["--lr-warmup-iters", "-1"], "--lr-warmup-iters=-1 must be >= 0"),
@@ -101,7 +103,7 @@ def test_settings_built_in_code_name_the_field():
 
 # Settings classes whose checks name fields (SettingError), never flags written by hand
 _CONVERTED = (TrainSettings, MegatronSettings, BufferSettings, DataSettings, EngineFleetSettings, SamplingSettings,
-              PluginSettings, RolloutSettings, RolloutLoopSettings, LauncherSettings, CliSettings)
+              PluginSettings, RolloutSettings, RolloutLoopSettings, LauncherSettings, CliSettings, EngineSettings)
 
 
 @pytest.mark.parametrize("cls", _CONVERTED, ids=lambda c: c.__name__)
@@ -112,7 +114,8 @@ def test_settings_checks_write_no_flag_by_hand(cls):
     _check_raises(textwrap.dedent(inspect.getsource(cls)), cls.__name__, {f.name for f in fields(cls)})
 
 
-@pytest.mark.parametrize("module", [rollout_manager.settings, train_backend.settings, buffer.settings],
+@pytest.mark.parametrize("module", [rollout_manager.settings, train_backend.settings, buffer.settings,
+                                    embedded_engine.settings],
                          ids=lambda m: m.__name__)
 def test_settings_modules_write_no_flag_by_hand(module):
     """The same for a whole settings module, its check helpers outside the classes too (the rollout

@@ -24,9 +24,9 @@ import pytest
 from aiohttp import web
 
 from _fixtures_rollout import make_args
-from arguments import parse, parse_args
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engines import EngineFleet, ManagedEngine
+from scripts.arguments import parse, parse_args
 from sglang_oracle import running_oracles
 from sglang_protocol.client import EngineClient
 from weight_sync.interfaces import WeightSyncSettings
@@ -124,7 +124,7 @@ def test_launcher_joins_a_tp2_engine_with_one_rank_per_gpu_and_its_keys(ray_env,
     WeightSender.connect) into a TP-2 SGLang engine: SGLang's own updaters join as ranks 1 and 2
     of 3 only if the engine's GPU count reached the sender (with 1, TP rank 1 is outside the
     world); its admin endpoints take only the admin key."""
-    from components import Run
+    from scripts.components import Run
 
     before = _seen(oracle)["control"]
     run = Run(*parse(base + ["--rollout-engine", "sglang", "--engine-urls", oracle, *KEYS,

@@ -7,8 +7,9 @@ package imports a private name (``_x``) of another: what crosses a package line 
 
 An import inside ``if TYPE_CHECKING:`` is not an edge (it never runs); an import inside a function
 is one (it runs when the function does, and a circle through it still breaks a partial import).
-``scripts/`` is on ``sys.path`` (its modules import each other by bare name: ``from producer
-import ...``), so a bare name that is no package of ours but a file of ``scripts/`` is that file.
+``scripts/`` is a package like the others (``scripts.producer``): no module imports one of its
+files by bare name (``from producer import ...``), which would work only where ``scripts/`` itself
+is on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ LAYERS = {
     "metric_keys": 0,  # the plotted metric keys and the plots: imports nothing of ours
     "sglang_protocol": 0,  # SGLang's protocol, ports, JSON: imports nothing of ours
     "plugins": 0,  # the plugin loader and the built-in plugins (rewards, filters)
-    "embedded_engine": 1,  # SGLang stand-ins for CPU runs and tests: imports only sglang_protocol
+    "embedded_engine": 1,  # SGLang stand-ins for CPU runs and tests: imports only flags and sglang_protocol
     "buffer": 1,  # samples, the buffer actor; calls its filter plugin through plugins.loader
     "weight_sync": 2,
     "rollout_manager": 2,
@@ -33,9 +34,6 @@ LAYERS = {
     "examples": 5,  # user code (plugins loaded by path): imports anything, imported by none
     "scripts": 6,  # the launcher and its tools: imports anything, imported by no package
 }
-#: Directories of top-level modules (on ``sys.path``, imported by bare name), not packages.
-FLAT = ("scripts",)
-
 #: Upward edges ``(importing module, imported module) -> why``; each must still exist, and each of
 #: its import statements must carry a comment saying why (on its line or the line above). None
 #: left: what lower packages took from slime_compat (the ``slime`` alias, slime's ``args`` names)
@@ -56,14 +54,10 @@ def module_files(root: Path, packages) -> dict[str, Path]:
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
-    """The module of ours that the dotted ``name`` (a module, or a name in one) is, else None: a
-    package or module first, else a bare name of one of the ``FLAT`` directories."""
-    for candidate in (name, *(f"{d}.{name}" for d in FLAT)):
-        while candidate and candidate not in modules:
-            candidate = candidate.rpartition(".")[0]
-        if candidate and candidate not in FLAT:
-            return candidate
-    return None
+    """The module of ours that the dotted ``name`` (a module, or a name in one) is, else None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
 
 
 def import_sites(modules: dict[str, Path]) -> dict[tuple[str, str], list[int]]:
@@ -152,9 +146,9 @@ def _graph() -> dict[str, set[str]]:
 def test_the_graph_covers_every_package_and_scripts():
     modules = module_files(ROOT, LAYERS)
     assert {m.split(".")[0] for m in modules} == set(LAYERS)
-    on_disk = {p.name for p in ROOT.iterdir() if p.is_dir() and ((p / "__init__.py").exists() or p.name in FLAT)}
+    on_disk = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert on_disk - {"tests", "bench"} <= set(LAYERS), f"packages without a layer: {on_disk - set(LAYERS)}"
-    assert "scripts.producer" in _graph()["scripts.components"]  # a bare-name import between scripts
+    assert "scripts.producer" in _graph()["scripts.components"]  # an import between scripts
 
 
 def test_no_import_circles():
@@ -259,15 +253,39 @@ def test_private_names_across_packages_are_found(tmp_path):
     assert sorted(found) == ["buffer: flags._hidden", "plugins: flags._impl.x"]
 
 
-def test_bare_names_of_scripts_and_upward_imports_without_a_reason_are_found(tmp_path, monkeypatch):
-    for pkg in ("flags", "buffer"):
+def bare_script_imports(root: Path, files: list[Path]) -> list[str]:
+    """``file:line: name`` for every import (function-local ones too) of a file of ``scripts/`` by
+    its bare name (``import arguments``): it finds the file only where ``scripts/`` itself is on
+    ``sys.path``, and shadows any library module of that name there."""
+    names = {f.stem for f in (root / "scripts").glob("*.py")} - {"__init__"}
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                dotted = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                dotted = [node.module]
+            else:
+                continue
+            bad += [f"{path.relative_to(root)}:{node.lineno}: {d}" for d in dotted if d.split(".")[0] in names]
+    return bad
+
+
+def test_scripts_are_imported_as_a_package():
+    files = [*module_files(ROOT, LAYERS).values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]
+    bad = bare_script_imports(ROOT, files)
+    assert not bad, f"files of scripts/ imported by bare name (import them as scripts.<name>): {bad}"
+
+
+def test_bare_names_of_scripts_and_upward_imports_without_a_reason_are_found(tmp_path):
+    for pkg in ("flags", "buffer", "scripts"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "one.py").write_text("import flags\nimport two\n")
-    (tmp_path / "scripts" / "two.py").write_text("def f():\n    from one import x\n")
+    (tmp_path / "scripts" / "one.py").write_text("import flags\nfrom scripts import two\n")
+    (tmp_path / "scripts" / "two.py").write_text("def f():\n    from scripts.one import x\n")
     (tmp_path / "flags" / "up.py").write_text("import buffer  # the reason\n\ndef f():\n    import buffer\n")
-    (tmp_path / "buffer" / "up.py").write_text("def f():\n    import scripts_not_ours\n    from one import y\n")
+    (tmp_path / "buffer" / "up.py").write_text("def f():\n    import scripts_not_ours\n    from scripts.one import y\n")
+    (tmp_path / "buffer" / "bare.py").write_text("import two\n\ndef f():\n    from one.x import y\n")
     modules = module_files(tmp_path, ["flags", "buffer", "scripts"])
     edges = import_edges(modules)
     assert edges["scripts.one"] == {"flags", "scripts.two"} and edges["buffer.up"] == {"scripts.one"}
@@ -275,3 +293,5 @@ def test_bare_names_of_scripts_and_upward_imports_without_a_reason_are_found(tmp
     bad, stale = upward_imports(modules, {("flags.up", "buffer"): "a reason", ("flags", "buffer"): "gone"})
     assert bad == ["buffer.up -> scripts.one", "flags.up:4 -> buffer: no comment saying why"]
     assert stale == [("flags", "buffer")]
+    assert sorted(bare_script_imports(tmp_path, list(modules.values()))) == ["buffer/bare.py:1: two",
+                                                                            "buffer/bare.py:4: one.x"]

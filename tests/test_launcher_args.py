@@ -2,7 +2,7 @@
 
 import pytest
 
-from arguments import build_parser, parse_args
+from scripts.arguments import build_parser, parse_args
 
 
 @pytest.fixture()

@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from config import load_config_defaults
-from metrics_log import MetricsLogger, missing_plots, plot_layout, plot_metrics, read_metrics
+from scripts.config import load_config_defaults
+from scripts.metrics_log import MetricsLogger, missing_plots, plot_layout, plot_metrics, read_metrics
 
 
 def parser():

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from arguments import parse_args
+from scripts.arguments import parse_args
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.arguments import group_settings_from_args, settings_from_args
 
@@ -40,7 +40,7 @@ def test_offload_flag_default_and_refusal(toy_model_dir, capsys):
 
 
 def test_offload_params_flag_needs_offload_and_excludes_a_mapped_push(toy_model_dir, capsys):
-    from arguments import parse
+    from scripts.arguments import parse
     from weight_sync.interfaces import resolve_load_format
 
     base = ["--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data" / "train.jsonl")]

@@ -1,6 +1,6 @@
 """Issue 16 item 6: a run's Ray cluster is not an open door. Ray always starts a dashboard agent
 whose ``POST /api/job_agent/jobs/`` runs a shell command; started the way every run starts Ray
-(``scripts/components.start_ray``) on a fresh machine (no token yet, ``RAY_AUTH_MODE`` unset),
+(``scripts.components.start_ray``) on a fresh machine (no token yet, ``RAY_AUTH_MODE`` unset),
 that agent must refuse a submission without the token, and the command must not run."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = textwrap.dedent("""
     import json, sys, urllib.error, urllib.request
-    sys.path.insert(0, sys.argv[1] + "/scripts"); sys.path.insert(0, sys.argv[1])
+    sys.path.insert(0, sys.argv[1])
     import ray
-    from components import start_ray
+    from scripts.components import start_ray
 
     start_ray(None)
     port = ray._private.worker._global_node.dashboard_agent_listen_port

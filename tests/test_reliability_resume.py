@@ -2,7 +2,7 @@
 in sync and async mode; and across a buffer SIGKILL (its restart window) during the run.
 
 The driver kills itself at an exact point of a step (``RESERVOIR_CRASH_AT``, see
-``Run.crash_point``), after the buffer recorded weight versions and rollouts the checkpoint does
+``scripts/faults.py``), after the buffer recorded weight versions and rollouts the checkpoint does
 not have. What is checked is what the run recorded: the groups each step trained
 (``--save-debug-rollout-data``, written when a step takes its batch, so a redone step's file is
 the batch that step finally trained), their weight versions, and ``metrics.jsonl``.

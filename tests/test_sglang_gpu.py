@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900),  # SGLang's start-up
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> Path:
-    import make_toy_model
+    from scripts import make_toy_model
 
     # the example's warm-up (60 steps): with 20, eval stayed at 0.094 for 12 steps with either engine (2026-12-03)
     return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("sgl") / "model"), "--warmup-steps", "60"])

@@ -89,8 +89,7 @@ def test_torch_backend_runs_slime_loss_advantage_and_megatron_hooks(toy_model_di
 
 def test_megatron_backend_calls_tis_reducer_and_megatron_hooks(toy_model_dir, tmp_path):
     # the launcher hands these flags to the Megatron backend's settings (the wiring the torch run above exercises)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from arguments import parse_args
+    from scripts.arguments import parse_args
     from train_backend.arguments import settings_from_args
 
     from slime_fixtures.megatron_rank import HOOKS, run
@@ -138,8 +137,7 @@ def test_megatron_backend_calls_tis_reducer_and_megatron_hooks(toy_model_dir, tm
       "--custom-reward-post-process-path", H + "grpo_rewards"], "--custom-convert-samples-to-train-data-path replaces"),
 ])
 def test_flags_that_cannot_apply_are_refused_at_start_up(toy_model_dir, tmp_path, extra, msg, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from arguments import parse_args
+    from scripts.arguments import parse_args
 
     argv = ["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir), *extra]
     with pytest.raises(SystemExit):
@@ -150,8 +148,7 @@ def test_flags_that_cannot_apply_are_refused_at_start_up(toy_model_dir, tmp_path
 def test_custom_config_key_naming_a_flag_must_hold_its_value(toy_model_dir, tmp_path, capsys):
     """slime's mis.yaml repeats ``use_tis: true`` beside ``--use-tis``: accepted; a value the flag
     does not have in this run is refused, naming both."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from arguments import parse_args
+    from scripts.arguments import parse_args
 
     base = ["--config", str(ROOT / "examples/toy/grpo_cpu.yaml"), "--hf-checkpoint", str(toy_model_dir),
             "--prompt-data", str(toy_model_dir / "data/train.jsonl"),

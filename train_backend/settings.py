@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from flags import SettingError, flag
+from flags import SettingError, check_choice, flag
 
 BACKENDS = ("torch", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo",
@@ -187,16 +187,15 @@ class TrainSettings:
     def validate(self) -> None:
         """Raise :class:`flags.SettingError` naming the first bad field(s) (the flags, when built by
         ``flags.from_args``)."""
-        choice = self._choice
-        choice("backend", BACKENDS)
-        choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
-        choice("loss_agg", LOSS_AGGREGATIONS)
-        choice("kl_loss_type", KL_LOSS_TYPES)
-        choice("lr_decay_style", LR_DECAY_STYLES)
-        choice("lr_wsd_decay_style", LR_WSD_DECAY_STYLES)
-        choice("dtype", DTYPES)
-        choice("optimizer", OPTIMIZERS)
-        choice("loss_type", LOSS_TYPES)
+        check_choice(self, "backend", BACKENDS)
+        check_choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+        check_choice(self, "loss_agg", LOSS_AGGREGATIONS)
+        check_choice(self, "kl_loss_type", KL_LOSS_TYPES)
+        check_choice(self, "lr_decay_style", LR_DECAY_STYLES)
+        check_choice(self, "lr_wsd_decay_style", LR_WSD_DECAY_STYLES)
+        check_choice(self, "dtype", DTYPES)
+        check_choice(self, "optimizer", OPTIMIZERS)
+        check_choice(self, "loss_type", LOSS_TYPES)
         self._validate_slime_flags()
         if (self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
                 and not self.normalize_advantages):
