@@ -439,7 +439,7 @@ def test_a_bad_combination_of_mismatch_flags_is_one_line_naming_them(kw, msg, to
     from flags import from_args
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from arguments import parse_args
+    from scripts.arguments import parse_args
 
     args = parse_args(_base_argv(toy_model_dir))
     for k, v in kw.items():
@@ -463,7 +463,7 @@ def test_slimes_mis_yaml_sets_the_mis_flags_and_runs_with_the_builtin_or_mis_py(
     the flags left at their defaults, so ``--tis-function mis`` trains with them and slime's mis.py as
     ``--custom-tis-function-path`` reads the same values; a flag given another value stays refused."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from arguments import parse_args
+    from scripts.arguments import parse_args
 
     from train_backend.arguments import settings_from_args
 
