@@ -27,6 +27,7 @@ from buffer.sample import Sample, Status, parse_weight_version  # noqa: F401 (re
 from rollout_manager.plugin_api import RolloutContext, current_context, current_step
 from rollout_manager.rewards import mark_failed
 from rollout_manager.settings import RolloutSettings
+from rollout_manager.tito import CHAT_TURNS, ENGINE_SPANS, record_engine_span
 from sglang_protocol.client import EngineError, batch_rids
 
 
@@ -118,6 +119,8 @@ def reset_sample(sample: Sample) -> None:
     sample.loss_mask, sample.rollout_log_probs = [], []
     sample.weight_versions, sample.reward, sample.status = [], None, Status.PENDING
     sample.metadata.pop("failure_reason", None)
+    sample.metadata.pop(ENGINE_SPANS, None)
+    sample.metadata.pop(CHAT_TURNS, None)
 
 
 def append_segment(sample: Sample, out: dict, mask_offpolicy: bool) -> int:
@@ -135,11 +138,13 @@ def append_segment(sample: Sample, out: dict, mask_offpolicy: bool) -> int:
             # the tokens so far came from an older policy: keep them as context, not as loss
             sample.loss_mask = [0] * sample.response_length
         sample.weight_versions.append(version)
+    start = len(sample.tokens)
     sample.tokens += ids
     sample.response += out.get("text") or ""
     sample.response_length += len(ids)
     sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + logps
+    record_engine_span(sample, start, ids, meta)  # what --tito-check checks the sample against
     return len(ids)
 
 

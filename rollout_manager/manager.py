@@ -41,6 +41,7 @@ from rollout_manager.rollout import RolloutFailed, _takes_evaluation, abort_requ
 from rollout_manager.router import Router
 from rollout_manager.settings import PluginSettings, RolloutSettings
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
+from rollout_manager.tito import tito_checker
 from sglang_protocol.client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class RolloutManager:
             raise ValueError("--hf-checkpoint is required (its tokenizer encodes the prompts)")
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
+        self.tito = tito_checker(settings, self.tokenizer)  # None with --tito-check off
         d = settings.data
         if p.data_source_path:  # slime's contract: the class is built with the args
             cls = load_function(p.data_source_path, "--data-source-path", params=["args"])
@@ -195,7 +197,7 @@ class RolloutManager:
             semaphore=SampleSlots(s.sglang_server_concurrency * len(self.fleet.engines)),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
-            all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks)
+            all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito)
         self.ctx.running.set()
         set_context(self.ctx)
 

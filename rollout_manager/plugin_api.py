@@ -12,7 +12,10 @@ they start):
   counters, ``stopping`` once the step winds down and a plugin should stop generating);
 - ``note_weight_versions(answer)``: a custom generate that calls the engines with a client of its
   own hands their ``/generate`` answers here, so its samples get tagged with the policy versions
-  that produced them when it records none itself (``seen_weight_versions()`` reads them back).
+  that produced them when it records none itself (``seen_weight_versions()`` reads them back);
+- ``note_engine_call(input_ids, answer)``: the same plugin hands each ``/generate`` call's
+  ``input_ids`` and answer here, so ``--tito-check`` can check its samples against what the engines
+  saw and produced (``rollout_manager/tito.py``); slime's ``post()`` does both for you.
 
 At import time (a plugin module's top level), two registrations:
 
@@ -35,6 +38,7 @@ Example, a custom generate that posts to the router itself::
         answer = await ctx.client.generate(input_ids=sample.tokens, sampling_params=sampling_params,
                                            return_logprob=True)
         note_weight_versions(answer)
+        note_engine_call(sample.tokens, answer)
         ...
 
 This module imports nothing of the manager at run time (the types below are annotations), so every
@@ -65,6 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RolloutContext", "RolloutStats", "StepState", "current_context", "current_step", "set_context",
            "set_step", "note_weight_versions", "seen_weight_versions", "recording_weight_versions",
+           "note_engine_call", "recording_engine_calls",
            "register_default_rollout", "is_default_rollout", "on_shutdown", "run_shutdown_hooks"]
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,7 @@ class RolloutStats:
     returned_groups: int = 0  # given back to the data source unfinished
     failed_groups: int = 0  # every sample failed: not kept (failures say why)
     failures: Counter = field(default_factory=Counter)  # samples (or, for filters, groups) by reason
+    tito: Counter = field(default_factory=Counter)  # --tito-check: samples checked, and by finding (tito.py)
     drop_reasons: Counter = field(default_factory=Counter)  # DynamicFilterOutput.reason of dropped groups
 
 
@@ -125,6 +131,7 @@ class RolloutContext:
     all_samples_fn: Callable | None = None  # --rollout-all-samples-process-path: fn(args, groups, get_samples)
     sample_hooks: list[tuple[str, Callable]] = field(default_factory=list)  # --rollout-sample-hook-path, in order
     paths: dict[str, str] = field(default_factory=dict)  # flag -> import path, for failure reports
+    tito: Any = None  # --tito-check's TitoChecker (rollout_manager/tito.py), None when off
 
 
 # --- the current context and step ----------------------------------------------------------------
@@ -205,6 +212,43 @@ def recording_weight_versions() -> Iterator[list[int]]:
         yield seen
     finally:
         _SEEN_VERSIONS.reset(token)
+
+
+# --- the engine calls a sample's requests made ----------------------------------------------------
+_ENGINE_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("reservoir_engine_calls", default=None)
+
+
+def note_engine_call(input_ids: Any, answer: Any) -> None:
+    """Note one ``/generate`` call of the sample being generated: the ``input_ids`` sent (a batch's
+    list of lists with a batch's list of answers) and the engine's answer. A copy of the ids is
+    kept, so the caller may go on growing its list. After a custom generate returns, the calls
+    become the sample's engine records (``rollout_manager.tito``). Outside a generate call, and for
+    answers without ``output_ids`` or ``meta_info``, it does nothing."""
+    calls = _ENGINE_CALLS.get()
+    if calls is None or input_ids is None:
+        return
+    pairs = zip(input_ids, answer) if isinstance(answer, list) else [(input_ids, answer)]
+    for ids, out in pairs:
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if not isinstance(meta, dict):
+            continue
+        output_ids = out.get("output_ids")
+        if output_ids is None and meta.get("output_token_logprobs"):
+            output_ids = [x[1] for x in meta["output_token_logprobs"]]
+        if output_ids is not None:
+            calls.append((tuple(int(t) for t in ids), [int(t) for t in output_ids], meta))
+
+
+@contextlib.contextmanager
+def recording_engine_calls() -> Iterator[list]:
+    """Collect the calls ``note_engine_call`` notes inside the block (the manager wraps each custom
+    generate call in one); yields the list of ``(input_ids, output_ids, meta_info)``."""
+    calls: list = []
+    token = _ENGINE_CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _ENGINE_CALLS.reset(token)
 
 
 # --- registrations -------------------------------------------------------------------------------

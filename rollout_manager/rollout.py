@@ -38,9 +38,11 @@ from buffer.sample import Sample, Status, check_sample
 from sglang_protocol.client import EngineClient, EngineError, new_session
 from rollout_manager.generate import MAX_IDLE_ABORTS, generate, generate_group, reset_sample, sampling_params
 from rollout_manager.plugin_api import (RolloutContext, StepState, current_context, current_step,
-                                        recording_weight_versions, register_default_rollout, set_context, set_step)
+                                        recording_engine_calls, recording_weight_versions, register_default_rollout,
+                                        set_context, set_step)
 from rollout_manager.plugin_calls import PluginTimeout, call_plugin
 from rollout_manager.rewards import mark_failed
+from rollout_manager.tito import spans_from_calls
 
 log = logging.getLogger(__name__)
 _DONE = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
@@ -106,9 +108,10 @@ def _as_samples(out: Any) -> list[Sample]:
     raise TypeError(f"generate function returned {what}, not a Sample or a non-empty list of Samples")
 
 
-def _finish_generated(x: Sample, origin: Sample, seen: list[int], fanout: bool) -> None:
+def _finish_generated(x: Sample, origin: Sample, seen: list[int], fanout: bool, calls: list) -> None:
     """Bring a custom generate's output to the contract, as slime's training-data conversion does
-    (a missing loss mask is all ones), and tag it with the policy versions its requests saw."""
+    (a missing loss mask is all ones), tag it with the policy versions its requests saw, and record
+    its engine calls for --tito-check (not for a fan-out: which call made which sample is unknown)."""
     if x.loss_mask is None:
         x.loss_mask = [1] * x.response_length
     if not x.weight_versions and seen:
@@ -118,6 +121,8 @@ def _finish_generated(x: Sample, origin: Sample, seen: list[int], fanout: bool) 
             x.rollout_id = origin.index
         if x.group_index is None:
             x.group_index = origin.group_index
+    elif calls:
+        spans_from_calls(x, calls)
     _check_generated(x)
 
 
@@ -142,7 +147,8 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, params: dict,
         sample.session_id = uuid.uuid4().hex  # slime's generate_and_rm_group gives each sample one
     aborts = 0
     while True:
-        with recording_weight_versions() as seen:  # what the plugin's own requests saw (plugin_api)
+        # what the plugin's own requests saw (plugin_api)
+        with recording_weight_versions() as seen, recording_engine_calls() as calls:
             try:
                 if custom:
                     kwargs = {"evaluation": evaluation} if _takes_evaluation(fn) else {}
@@ -155,7 +161,7 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, params: dict,
                 outs = _as_samples(out)
                 fanout = isinstance(out, list)
                 for x in outs:
-                    _finish_generated(x, sample, seen, fanout)
+                    _finish_generated(x, sample, seen, fanout, calls)
             except Exception as e:  # a custom generate's bug fails this sample only; logged and counted
                 _fail_generated(sample, e, "--custom-generate-function-path" if custom else "generate", path,
                                 reason="generate: timeout" if isinstance(e, PluginTimeout) else None)
@@ -174,6 +180,7 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, params: dict,
             continue
         break
     outs = [await _apply_sample_hooks(ctx, x, evaluation) for x in outs]
+    await _check_tito(ctx, outs)
     if not ctx.rewarder.group_rm:
         await asyncio.gather(*(_score(ctx, x) for x in outs))
     return outs, fanout
@@ -201,6 +208,20 @@ async def _apply_sample_hooks(ctx: RolloutContext, sample: Sample, evaluation: b
             return sample
         sample = out if out is not None else sample
     return sample
+
+
+async def _check_tito(ctx: RolloutContext, samples: list[Sample]) -> None:
+    """--tito-check on finished samples, before their reward (in fail mode a hard error fails the
+    sample, counted under its reason); counts go to the step's ``tito`` counters. The checks render
+    chat templates: they run in a thread, never on the event loop."""
+    step = current_step(None)
+    if ctx.tito is None or step is None:
+        return
+    todo = [x for x in samples if ctx.tito.wants(x)]
+    if todo:
+        reports = await asyncio.to_thread(lambda: [ctx.tito.check(x) for x in todo])
+        for x, report in zip(todo, reports):
+            ctx.tito.settle(x, report, step.stats.tito)
 
 
 def _accepted_kwargs(fn: Callable, offered: dict[str, Any]) -> dict[str, Any]:
@@ -233,6 +254,7 @@ async def _generate_group(ctx: RolloutContext, group: list[Sample], params: dict
         hooked = {id(x): await _apply_sample_hooks(ctx, x, evaluation) for x in todo}
         group = [hooked.get(id(x), x) for x in group]
         todo = [hooked[id(x)] for x in todo]
+        await _check_tito(ctx, todo)
         if not ctx.rewarder.group_rm:
             await asyncio.gather(*(_score(ctx, x) for x in todo))
     return group

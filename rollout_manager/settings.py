@@ -117,6 +117,8 @@ class EngineFleetSettings:
 # prompt's unfinished samples as one batch /generate (n times fewer requests through the router and
 # both HTTP stacks); "sample" sends each sample alone. Custom generate functions are per sample.
 REQUEST_GRANULARITIES = ("group", "sample")
+# --tito-check (rollout_manager/tito.py): off, or warn (count and log), or fail (hard errors fail the sample too)
+TITO_MODES = ("off", "warn", "fail")
 
 
 @dataclass
@@ -163,6 +165,11 @@ class SamplingSettings:
     eval_max_response_len: int | None = flag(None, "default: --rollout-max-response-len")
     eval_max_context_len: int | None = flag(None, "slime's context budget for evaluation, read by plugins (default: "
                                             "--rollout-max-context-len)")
+    tito_check: str = flag("off", "token-in-token-out check of finished samples (rollout_manager/tito.py): warn counts "
+                           "and logs hard errors (ids other than the engine saw or produced, loss mask off the engine "
+                           "outputs, history not append-only) and soft differences from the chat template's render "
+                           "(rollout/tito/<kind>); fail also fails each sample with a hard error", choices=TITO_MODES)
+    tito_check_fraction: float = flag(1.0, "share of finished samples --tito-check checks (drawn at random)")
 
     def __post_init__(self) -> None:
         check_bound(self, ">", 0, "n_samples_per_prompt", "rollout_batch_size", "over_sampling_batch_size",
@@ -181,6 +188,11 @@ class SamplingSettings:
             raise SettingError("rollout_request_granularity",
                                f"{{rollout_request_granularity}} {self.rollout_request_granularity!r}: choose one of "
                                f"{list(REQUEST_GRANULARITIES)}")
+        if self.tito_check not in TITO_MODES:  # argparse checks the CLI, not code
+            raise SettingError("tito_check", f"{{tito_check}} {self.tito_check!r}: choose one of {list(TITO_MODES)}")
+        if not 0 < self.tito_check_fraction <= 1:
+            raise SettingError("tito_check_fraction",
+                               f"{{tito_check_fraction}} must be in (0, 1], got {self.tito_check_fraction}")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise SettingError(("mask_offpolicy_in_partial_rollout", "partial_rollout"),
                                "{mask_offpolicy_in_partial_rollout} needs {partial_rollout}")

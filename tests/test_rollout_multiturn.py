@@ -33,7 +33,8 @@ def test_tool_calls_are_masked_from_the_loss(toy_model_dir):
         argv = toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "1",
                         "--engine-extra-args", f"--output-ids {','.join(map(str, call_ids))}",
                         "--custom-generate-function-path", "calculator_tool.generate",
-                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", "--rollout-max-response-len", "400")
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", "--rollout-max-response-len", "400",
+                        "--tito-check", "fail")
         async with running_manager(argv) as m:
             return await m.generate(0)
     groups, metrics = asyncio.run(go())
@@ -48,3 +49,8 @@ def test_tool_calls_are_masked_from_the_loss(toy_model_dir):
         assert s.rollout_log_probs == ([-0.5] * n_call + [0.0] * n_res) * MAX_TOOL_CALLS + [-0.5] * n_call
         assert s.response_tokens[:n_call + n_res] == call_ids + result_ids  # engine tokens kept as they came
         assert s.response.startswith("<calc>12+7</calc><result>19</result><calc>")
+    # --tito-check fail: every sample checked against its engine calls; no hard error (the tool's raw
+    # tokens have no chat-template turn log, so only the hard checks ran)
+    assert metrics["rollout/tito/checked"] == 4 and not any(k in metrics for k in (
+        "rollout/tito/unrecorded", "rollout/tito/mask_inside_engine", "rollout/tito/mask_outside_engine",
+        "rollout/tito/not_append_only", "rollout/tito/prompt_mismatch"))

@@ -26,7 +26,7 @@ import operator
 from typing import Any
 
 from buffer.sample import Sample, Status, parse_weight_version
-from rollout_manager.plugin_api import current_context
+from rollout_manager.plugin_api import current_context, note_engine_call
 
 MAX_TOOL_CALLS = 4
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
@@ -80,6 +80,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
             out = await ctx.client.generate(input_ids=sample.tokens,
                                             sampling_params={**params, "max_new_tokens": remaining},
                                             return_logprob=True, timeout=ctx.settings.sampling.request_timeout)
+        note_engine_call(sample.tokens, out)  # what the engine saw and produced, for --tito-check
         meta = out["meta_info"]
         ids = list(out["output_ids"])
         logps = [float(x[0]) for x in meta["output_token_logprobs"]]

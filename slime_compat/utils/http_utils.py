@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from rollout_manager.plugin_api import current_context, note_weight_versions, on_shutdown
+from rollout_manager.plugin_api import current_context, note_engine_call, note_weight_versions, on_shutdown
 
 log = logging.getLogger(__name__)
 _clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (a client is bound to its loop)
@@ -84,6 +84,8 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
             log.info("POST %s failed (%s: %s); retrying (%d/%d)", url, type(e).__name__, e, attempt, max_retries)
             await asyncio.sleep(1.0)
     note_weight_versions(out)
+    if isinstance(payload, dict) and "input_ids" in payload:  # for --tito-check (rollout_manager/tito.py)
+        note_engine_call(payload["input_ids"], out)
     return out
 
 
