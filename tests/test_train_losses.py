@@ -132,7 +132,7 @@ def test_nan_slots_are_left_out_of_baselines():
 
 def test_unknown_estimator_names_the_flag():
     with pytest.raises(ValueError, match="--advantage-estimator"):
-        compute_advantages(torch.zeros(1, 2), "ppo")
+        compute_advantages(torch.zeros(1, 2), "gae")
 
 
 def test_masked_whiten_matches_slime_formula():

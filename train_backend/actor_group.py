@@ -110,6 +110,11 @@ class TrainerGroupSettings:
         if self.colocate and self.actor_num_nodes > 1:
             raise ValueError(f"{colocate} with {nodes} {self.actor_num_nodes}: colocated engines run on the "
                              f"launcher's node, so the trainer ranks must too ({nodes} 1)")
+        estimator = flag_of(TrainSettings, "advantage_estimator")
+        if train.advantage_estimator == "ppo" and world > 1:
+            raise ValueError(f"{estimator} ppo with {ranks}: the critic trains on one rank ({nodes} 1 {per_node} 1)")
+        if train.advantage_estimator == "ppo" and self.offload_train:
+            raise ValueError(f"{estimator} ppo with {offload}: the critic's optimizer state is not offloaded")
         if self.offload_train and not train.device.startswith("cuda"):
             raise ValueError(f"{offload} with {device} {train.device}: it moves optimizer state from the GPU to the "
                              "host; there is nothing to move on the CPU")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
-from train_backend.losses import LossDenominators, compute_advantages, whiten_advantages
+from train_backend.losses import LossDenominators, compute_advantages, gae_advantages, whiten_advantages
 
 if TYPE_CHECKING:
     from train_backend.hooks import LogProbsFn, TrainHooks
@@ -103,20 +104,33 @@ class TrainStepStart:
     ranges) with the loss denominators of each; no steps when nothing is trainable."""
 
     batch: RolloutBatch
-    advantages: list[float]
+    advantages: list
     steps: list[range]
     denominators: list[LossDenominators]
+    # --advantage-estimator ppo: the critic's values of each sample's response tokens before the
+    # update, and GAE's returns (the value loss's targets)
+    values: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
 
 
 def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int | None,
-                     hooks: "TrainHooks | None" = None, log_probs: "LogProbsFn | None" = None) -> TrainStepStart:
+                     hooks: "TrainHooks | None" = None, log_probs: "LogProbsFn | None" = None,
+                     values: "Callable[[list[Sample]], list[list[float]]] | None" = None) -> TrainStepStart:
     """The head of a train step, before any micro-batch (``settings`` is a ``TrainSettings``).
     With ``hooks`` that read the rollout data (:attr:`TrainHooks.needs_rollout_data`), ``log_probs``
-    gives them the policy's and the reference's log-probs (collective)."""
+    gives them the policy's and the reference's log-probs (collective). With ``--advantage-estimator
+    ppo``, ``values`` gives the critic's values of the samples' response tokens, and the advantages
+    are GAE's, per token (before ``--normalize-advantages``, as in slime)."""
     batch = prepare_batch(groups, settings.advantage_estimator, settings.reward_key, max_seq_len, hooks)
     if not batch.samples:
         return TrainStepStart(batch, [], [], [])
     adv = batch.advantages
+    old_values = returns = None
+    if settings.advantage_estimator == "ppo":
+        if values is None:
+            raise ValueError("--advantage-estimator ppo needs a backend with a critic")
+        old_values = values(batch.samples)
+        adv, returns = gae_advantages(batch.samples, batch.advantages, old_values, settings.gamma, settings.lambd)
     if settings.normalize_advantages:
         adv = whiten_advantages(batch.samples, adv)
     if hooks is not None and hooks.needs_rollout_data:  # before the denominators: it may change loss masks
@@ -127,7 +141,7 @@ def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_s
     steps = split_steps(len(batch.samples), batch.num_input_samples, settings.global_batch_size)
     denominators = [LossDenominators(float(sum(sum(batch.samples[i].loss_mask) for i in r)), float(len(r)),
                                      norm_length) for r in steps]
-    return TrainStepStart(batch, adv, steps, denominators)
+    return TrainStepStart(batch, adv, steps, denominators, old_values, returns)
 
 
 def split_steps(num_trainable: int, num_input_samples: int, global_batch_size: int | None) -> list[range]:

@@ -93,6 +93,8 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
       which is ``r`` on every token up to the last loss token; a KL penalty goes through
       ``--use-kl-loss`` rather than into the reward).
     - ``reinforce_plus_plus_baseline``: ``r - mean_g``.
+    - ``ppo``: ``r``, the sequence reward that :func:`gae_advantages` puts on the last response
+      token before GAE turns it, with the critic's values, into per-token advantages.
 
     The two REINFORCE++ estimators are whitened afterwards, over the loss tokens of the rollout
     batch, by ``--normalize-advantages`` (:func:`masked_whiten`), as slime does; slime and
@@ -112,7 +114,7 @@ def compute_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Te
         total = torch.where(valid, r, torch.zeros_like(r)).sum(1, keepdim=True)  # [G, 1]
         baseline = (total - r) / (k - 1).clamp(min=1)  # [G, n]
         adv = torch.where(k > 1, r - baseline, torch.zeros_like(r))  # [G, n]
-    elif estimator == "reinforce_plus_plus":
+    elif estimator in ("reinforce_plus_plus", "ppo"):
         adv = r  # [G, n]
     elif estimator == "reinforce_plus_plus_baseline":
         adv = r - _nan_mean(r, 1)  # [G, n]
@@ -148,6 +150,67 @@ def whiten_advantages(samples: "list[Sample]", advantages: list) -> list:
     per_token = torch.tensor(advantages, dtype=torch.float64).repeat_interleave(counts)  # [sum(counts)]
     white = masked_whiten(per_token, torch.ones_like(per_token))  # [sum(counts)]
     return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
+
+
+# --- PPO with a critic: token-level rewards, GAE, the clipped value loss -------------------------
+def token_level_rewards(rewards: Tensor, response_lengths: list[int], kl: Tensor | None = None,
+                        kl_coef: float = 0.0) -> Tensor:
+    """Per-token rewards of PPO, flat ``[N]`` over the sequences' response tokens: ``-kl_coef * kl``
+    on every token (slime's ``--kl-coef`` penalty; 0 without ``kl``), plus each sequence's reward
+    ``rewards [S]`` on its last response token (slime's ``ppo`` branch of
+    ``compute_advantages_and_returns``: the last response token, not the last loss token)."""
+    lengths = torch.as_tensor(response_lengths, device=rewards.device)  # [S]
+    if kl is None:
+        out = torch.zeros(int(lengths.sum()), dtype=rewards.dtype, device=rewards.device)  # [N]
+    else:
+        out = -kl_coef * kl.to(rewards.dtype)  # [N]
+    return out.index_add(0, torch.cumsum(lengths, 0) - 1, rewards)  # [N]
+
+
+def gae(token_rewards: Tensor, values: Tensor, response_lengths: list[int], gamma: float,
+        lambd: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2015) per sequence: ``delta_t = r_t + gamma
+    V_{t+1} - V_t`` with ``V`` after the last response token 0, ``A_t = delta_t + gamma lambd
+    A_{t+1}``, returns ``A_t + V_t``. ``token_rewards, values [N]`` flat over the sequences'
+    response tokens (``response_lengths``); returns ``(advantages [N], returns [N])``, no grad.
+    Every response token counts, masked or not, as in slime. The recursion runs backwards over
+    the positions of the sequences padded to the longest, all sequences at once."""
+    with torch.no_grad():
+        r = torch.nn.utils.rnn.pad_sequence(list(torch.split(token_rewards, response_lengths)), batch_first=True)
+        v = torch.nn.utils.rnn.pad_sequence(list(torch.split(values.to(r.dtype), response_lengths)),
+                                            batch_first=True)  # [S, T], 0 past each sequence's end
+        adv = torch.zeros_like(r)  # [S, T]
+        last = torch.zeros_like(r[:, 0])  # [S]
+        for t in reversed(range(r.shape[1])):
+            next_v = v[:, t + 1] if t + 1 < r.shape[1] else torch.zeros_like(last)  # [S]
+            last = r[:, t] + gamma * next_v - v[:, t] + gamma * lambd * last
+            adv[:, t] = last
+        valid = torch.arange(r.shape[1], device=r.device) < torch.as_tensor(response_lengths, device=r.device)[:, None]
+        return adv[valid], (adv + v)[valid]  # [N] each, in the sequences' order
+
+
+def gae_advantages(samples: "list[Sample]", rewards: list[float], values: list[list[float]], gamma: float,
+                   lambd: float) -> tuple[list[list[float]], list[list[float]]]:
+    """``--advantage-estimator ppo``: each sample's per-token advantages and returns from its
+    reward (on its last response token, :func:`token_level_rewards`) and the critic's ``values``
+    of its response tokens (:func:`gae`), in float64."""
+    lengths = [s.response_length for s in samples]
+    for s, v in zip(samples, values):
+        if len(v) != s.response_length:
+            raise ValueError(f"sample {s.index}: {len(v)} critic values for {s.response_length} response tokens")
+    r = token_level_rewards(torch.tensor(rewards, dtype=torch.float64), lengths)  # [N]
+    adv, ret = gae(r, torch.tensor([x for v in values for x in v], dtype=torch.float64), lengths, gamma, lambd)
+    return [a.tolist() for a in torch.split(adv, lengths)], [x.tolist() for x in torch.split(ret, lengths)]
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token: ``max((V_clip - R)^2, (V - R)^2)`` with ``V_clip = V_old +
+    clamp(V - V_old, -value_clip, value_clip)`` (slime's ``value_loss_function``; OpenRLHF's and
+    TRL's ``ValueLoss`` halve it). ``[N]`` each; returns ``(loss [N], clipped [N])``, ``clipped``
+    1.0 where ``|V - V_old| > value_clip`` (slime's ``value_clipfrac``)."""
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)  # [N]
+    loss = torch.maximum((clipped_values - returns) ** 2, (values - returns) ** 2)  # [N]
+    return loss, ((values - old_values).abs() > value_clip).to(values.dtype)
 
 
 # --- per-token losses -------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from flags import SettingError, check_choice, flag
 
 BACKENDS = ("torch", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo",
-                        "cispo")
+                        "cispo", "ppo")
+# what only --advantage-estimator ppo reads (its critic): refused with another estimator
+CRITIC_FLAGS = ("critic_load", "critic_lr", "value_clip", "num_critic_only_steps")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # low_var_kl: slime's name for k3 clamped to [-10, 10] (its compute_approx_kl)
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -100,8 +102,19 @@ class TrainSettings:
                                     "reinforce_plus_plus_baseline (minus the group mean), both whitened over the "
                                     "batch (--normalize-advantages); cispo: grpo's advantages, MiniMax-M1's CISPO "
                                     "loss (the clipped ratio, no gradient, times the log-prob; --eps-clip 1 "
-                                    "--eps-clip-high 4 is its one-sided setting)",
+                                    "--eps-clip-high 4 is its one-sided setting); ppo: PPO with a critic (a second model with "
+                                    "a value head, --critic-load), GAE advantages per token (--gamma, --lambd) and the "
+                                    "clipped value loss (--value-clip)",
                                     choices=ADVANTAGE_ESTIMATORS, group=G_LOSS)
+    gamma: float = flag(1.0, "ppo: GAE's discount factor (slime's)")
+    lambd: float = flag(1.0, "ppo: GAE's lambda (slime's)")
+    value_clip: float = flag(0.2, "ppo: the clip range of the critic's values around their values before the "
+                             "update (slime's)")
+    critic_load: str | None = flag(None, "ppo: HF checkpoint of the critic's model, which gets a new scalar value "
+                                   "head on its last hidden state (default: --hf-checkpoint)")
+    critic_lr: float | None = flag(None, "ppo: the critic's peak learning rate (default: --lr); its schedule has "
+                                   "--lr's shape (warm-up, decay) scaled to it")
+    num_critic_only_steps: int = flag(0, "ppo: the first rollouts train only the critic (slime's)")
     normalize_advantages: bool = flag(False, "whiten advantages over all loss tokens of the rollout batch (required "
                                       "by reinforce_plus_plus and reinforce_plus_plus_baseline, as in slime)")
     eps_clip: float = flag(0.2, "PPO clip range of the importance ratio (lower; also upper without "
@@ -252,6 +265,7 @@ class TrainSettings:
             raise SettingError(("tis_clip_low", "tis_cap"),
                                f"{{tis_clip_low}}={self.tis_clip_low} must be >= 0 and below {{tis_cap}}={self.tis_cap}")
         self._validate_tis_function()
+        self._validate_critic()
         if self.rollout_temperature <= 0:
             raise SettingError("rollout_temperature", f"{{rollout_temperature}}={self.rollout_temperature} must be > 0")
 
@@ -307,6 +321,43 @@ class TrainSettings:
         if self.tis_batch_normalize and self.tis_level == "geometric":
             raise SettingError(("tis_batch_normalize", "tis_level"),
                                "{tis_batch_normalize} needs {tis_level} token or sequence (as in mis.py)")
+
+    def _validate_critic(self) -> None:
+        """--advantage-estimator ppo's flags: refused with another estimator or backend, naming them."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in CRITIC_FLAGS + ("gamma", "lambd")}
+        if self.advantage_estimator != "ppo":
+            changed = tuple(n for n in CRITIC_FLAGS if getattr(self, n) != defaults[n])
+            if changed:
+                raise SettingError((*changed, "advantage_estimator"),
+                                   "{" + "}, {".join(changed) + "} configure the critic of {advantage_estimator} ppo, "
+                                   f"not {self.advantage_estimator}")
+            if (self.gamma, self.lambd) != (1.0, 1.0):  # reinforce_plus_plus here is slime's with gamma 1
+                raise SettingError(("gamma", "lambd", "advantage_estimator"),
+                                   "{gamma} and {lambd} are GAE's ({advantage_estimator} ppo), not "
+                                   f"{self.advantage_estimator}'s")
+            return
+        if self.backend == "megatron":
+            raise SettingError(("advantage_estimator", "backend"),
+                               "{advantage_estimator} ppo (a critic) is built for {backend} torch only")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lambd <= 1):
+            raise SettingError(("gamma", "lambd"), f"{{gamma}}={self.gamma} and {{lambd}}={self.lambd} must be in [0, 1]")
+        if self.value_clip <= 0:
+            raise SettingError("value_clip", f"{{value_clip}}={self.value_clip} must be > 0")
+        if self.critic_lr is not None and self.critic_lr <= 0:
+            raise SettingError("critic_lr", f"{{critic_lr}}={self.critic_lr} must be > 0")
+        if self.num_critic_only_steps < 0:
+            raise SettingError("num_critic_only_steps", f"{{num_critic_only_steps}}={self.num_critic_only_steps} must "
+                               "be >= 0")
+        if self.custom_advantage_function_path:
+            raise SettingError(("custom_advantage_function_path", "advantage_estimator"),
+                               "{custom_advantage_function_path} replaces the advantages that {advantage_estimator} "
+                               "ppo computes from the critic's values: give one")
+        if self.critic_load is not None:
+            from pathlib import Path
+
+            if not Path(self.critic_load, "config.json").is_file():
+                raise SettingError("critic_load", f"{{critic_load}} {self.critic_load}: not an HF checkpoint (no "
+                                   "config.json)")
 
     def _validate_slime_flags(self) -> None:
         """slime's flags whose values Reservoir cannot honour are refused here, naming why."""

@@ -57,6 +57,8 @@ class StepBackend(Protocol):
     device: torch.device
     dp_rank: int  # this rank's data-parallel replica, of dp_size: the samples are shared over these
     dp_size: int
+    # PPO's value model (--advantage-estimator ppo: train_backend.critic.TorchCritic), else None
+    critic: Any
 
     @property
     def reports_stats(self) -> bool:
@@ -131,16 +133,26 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     returns the ``train/...`` metrics (identical on every rank)."""
     t0 = time.perf_counter()
     s, hooks = backend.settings, backend.hooks
-    start = begin_train_step(receive_groups(groups), s, step, backend.max_seq_len, hooks, backend.plugin_log_probs)
+    critic = backend.critic
+    start = begin_train_step(receive_groups(groups), s, step, backend.max_seq_len, hooks, backend.plugin_log_probs,
+                             values=None if critic is None else critic.values)
     batch = start.batch
     stats = StepStats.of_batch(batch, step)
     if not batch.samples:
         stats.skipped_step = True
         return stats.metrics()
-    plans = [_share(backend, batch, list(r), start.advantages) for r in start.steps]
     # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
     denominators = count_samples_without_loss_tokens(
         start.denominators, batch.skipped["empty_response"] + batch.skipped["zero_loss_mask"])
+    critic_stats: dict[str, float] = {}
+    if critic is not None:  # fitted to this rollout's returns, from the values GAE used (slime trains both alike)
+        assert start.values is not None and start.returns is not None
+        critic_stats = critic.train(batch.samples, start.steps, start.values, start.returns, denominators, step)
+        if step < s.num_critic_only_steps:  # slime's --num-critic-only-steps: the policy waits
+            stats.losses = critic_stats
+            stats.step_time_s = time.perf_counter() - t0
+            return stats.metrics()
+    plans = [_share(backend, batch, list(r), start.advantages) for r in start.steps]
     # old_logp: the policy before this rollout's updates. With a single optimizer step the policy
     # does not change before each micro-batch's forward, so that forward's detached log-probs are
     # exactly the old ones and the extra pass is skipped.
@@ -184,6 +196,7 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     # a plugin's or a built-in correction's stats of its own names (mis_*) are gathered too
     named = hooks.loss is not None or hooks.tis is not None or s.tis_function != "vanilla"
     stats.losses, tokens = sums.reduce(len(plans), with_plugins=named)
+    stats.losses.update(critic_stats)
     stats.grad_norm = sum(grad_norms) / len(grad_norms)
     stats.lr = lrs[-1]
     stats.optimizer_steps = len(plans)

@@ -21,6 +21,7 @@ from torch import Tensor
 from buffer.sample import Sample
 from train_backend import torch_checkpoint
 from train_backend.batching import PackedMicroBatch, pack, plan_micro_batches
+from train_backend.critic import TorchCritic
 from train_backend.hooks import TrainHooks
 from train_backend.settings import TrainSettings
 from train_backend.losses import LossConfig, log_probs_from_logits
@@ -98,6 +99,12 @@ class TorchBackend:
                 eps=settings.adam_eps, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(settings))
         self.optimizer_steps = 0
+        self.critic: TorchCritic | None = None
+        if settings.advantage_estimator == "ppo":
+            if self.distributed:  # TrainerGroupSettings refuses this at start-up; a direct caller gets it here
+                raise ValueError("--advantage-estimator ppo: the critic trains on one rank (--actor-num-gpus-per-node "
+                                 "1 --actor-num-nodes 1)")
+            self.critic = TorchCritic(settings, self.device, self._pack, self._autocast)
         self.hooks.call_init()
 
     # --- setup --------------------------------------------------------------------------------
@@ -288,11 +295,16 @@ class TorchBackend:
         torch_checkpoint.export_hf(self, path)
 
     def extra_state(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+        state = {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+        if self.critic is not None:
+            state["critic_scheduler"] = self.critic.scheduler.state_dict()
+        return state
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
+        if self.critic is not None:
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
 
 
 def flatten_parameters(model: torch.nn.Module) -> None:

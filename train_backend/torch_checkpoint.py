@@ -2,7 +2,9 @@
 
 ``save(path)`` writes ``path/dcp/`` (model + optimizer through ``torch.distributed.checkpoint``:
 each rank writes its own shards under FSDP2, and a checkpoint loads onto another number of ranks),
-``path/trainer_state.pt`` (scheduler, optimizer-step counter) and ``path/rng_<rank>.pt``.
+``path/trainer_state.pt`` (scheduler, optimizer-step counter) and ``path/rng_<rank>.pt``; with
+PPO's critic (``--advantage-estimator ppo``), its model and optimizer in ``path/critic_dcp/`` and
+its scheduler in ``trainer_state.pt``.
 ``export_hf(path)`` writes a plain HF checkpoint (``save_pretrained`` + tokenizer).
 """
 
@@ -65,6 +67,11 @@ def save(backend: "TorchBackend", path: str) -> None:
     with _single_process_ok(backend):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"),
                  no_dist=not backend.distributed)
+    if backend.critic is not None:
+        critic_sd, critic_optim_sd = get_state_dict(backend.critic.model, backend.critic.optimizer)
+        with _single_process_ok(backend):
+            dcp.save({"model": critic_sd, "optim": critic_optim_sd}, checkpoint_id=os.path.join(path, "critic_dcp"),
+                     no_dist=not backend.distributed)
     if backend.rank == 0:
         torch.save(backend.extra_state(), os.path.join(path, "trainer_state.pt"))
     torch.save(_rng_state(), os.path.join(path, f"rng_{backend.rank}.pt"))
@@ -82,6 +89,17 @@ def load(backend: "TorchBackend", path: str) -> None:
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=not backend.distributed)
     set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    if backend.critic is not None:
+        critic = backend.critic
+        if not os.path.isdir(os.path.join(path, "critic_dcp")):
+            raise RuntimeError(f"{path} holds no critic (critic_dcp/): it was not saved by an --advantage-estimator "
+                               "ppo run")
+        critic_sd, critic_optim_sd = get_state_dict(critic.model, critic.optimizer)
+        cstate = {"model": critic_sd, "optim": critic_optim_sd}
+        with _single_process_ok(backend):
+            dcp.load(cstate, checkpoint_id=os.path.join(path, "critic_dcp"), no_dist=not backend.distributed)
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=cstate["model"],
+                       optim_state_dict=cstate["optim"])
     backend.load_extra_state(torch.load(state_file, weights_only=False))
     rng_file = os.path.join(path, f"rng_{backend.rank}.pt")
     if os.path.isfile(rng_file):

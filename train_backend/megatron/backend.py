@@ -236,6 +236,7 @@ class MegatronBackend:
 
     # --- training: what run_train_step (train_backend/step.py) calls ----------------------------
     scheduler = None  # the learning rate is set per optimizer step from --lr-* (optimizer_step)
+    critic = None  # --advantage-estimator ppo is refused for this backend (TrainSettings)
 
     @_on_device
     def train_step(self, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
