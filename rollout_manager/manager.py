@@ -40,6 +40,7 @@ from rollout_manager.rewards import Rewarder
 from rollout_manager.rollout import RolloutFailed, _takes_evaluation, abort_requests, run_rollout
 from rollout_manager.router import Router
 from rollout_manager.settings import PluginSettings, RolloutSettings
+from rollout_manager.sft import conversation_check, is_sft_rollout
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
 from rollout_manager.tito import tito_checker
 from sglang_protocol.client import EngineClient
@@ -150,7 +151,8 @@ class RolloutManager:
         else:
             if not d.prompt_data:
                 raise ValueError("--prompt-data is required")
-            records, self.data_report = load_prompts(d.prompt_data, d, self.tokenizer)
+            records, self.data_report = load_prompts(d.prompt_data, d, self.tokenizer,
+                                                     conversations=self._conversations(settings))
             self.data_source = DataSource(records, settings.sampling.n_samples_per_prompt, d.rollout_shuffle,
                                           d.rollout_seed, d.num_epoch)
         self.eval_records = None
@@ -165,6 +167,20 @@ class RolloutManager:
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
         self._last_rollout_id: int | None = None
+
+    def _conversations(self, settings: RolloutSettings) -> Callable | None:
+        """Under the SFT rollout (``rollout_manager/sft.py``) the prompt rows are whole
+        conversations: their check for ``load_prompts``; None otherwise."""
+        if not is_sft_rollout(self.rollout_fn):
+            return None
+        if settings.data.apply_chat_template:
+            raise ValueError("--apply-chat-template: the SFT rollout (--rollout-function-path "
+                             f"{self.paths.get('--rollout-function-path')}) renders whole conversations itself; "
+                             "leave it out (slime's SFT script does)")
+        if settings.sampling.eval_prompt_data and is_sft_rollout(self.eval_fn):
+            raise ValueError("--eval-prompt-data: the SFT rollout does not evaluate (give an --eval-function-path "
+                             "or leave --eval-prompt-data out)")
+        return conversation_check(self.tokenizer, settings.data.loss_mask_type)
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
