@@ -187,6 +187,9 @@ class RolloutManager:
         """Start (or attach to) the router, start and register the engines, build the context."""
         if self.ctx is not None:
             raise RuntimeError("RolloutManager.start() was already called")
+        if self.engineless:
+            self._start_context(client=None, dispatcher=None, engines=1)
+            return
         e = self.settings.engines
         if e.sglang_router_ip is not None:
             self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
@@ -207,10 +210,19 @@ class RolloutManager:
         live = lambda: [eng.url for eng in self.fleet.engines if eng.registered]  # noqa: E731
         self._dispatcher = Dispatcher(self._client, live, s.rollout_dispatch == "direct", s.request_timeout,
                                       api_key=e.api_key, admin_api_key=e.admin_api_key)
+        self._start_context(self._client, self._dispatcher, len(self.fleet.engines))
+
+    @property
+    def engineless(self) -> bool:
+        """The SFT rollout trains on data and evaluates nothing: no router and no engines start (what
+        slime's SFT script asks with --debug-train-only), and there is nothing to push weights to."""
+        return is_sft_rollout(self.rollout_fn) and is_sft_rollout(self.eval_fn)
+
+    def _start_context(self, client: EngineClient | None, dispatcher: Dispatcher | None, engines: int) -> None:
+        s = self.settings.sampling
         self.ctx = RolloutContext(
-            settings=self.settings, args=self.args, client=self._client, dispatcher=self._dispatcher,
-            engine_urls=lambda: self.fleet.urls,
-            semaphore=SampleSlots(s.sglang_server_concurrency * len(self.fleet.engines)),
+            settings=self.settings, args=self.args, client=client, dispatcher=dispatcher,
+            engine_urls=lambda: self.engine_urls, semaphore=SampleSlots(s.sglang_server_concurrency * engines),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
             all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito)

@@ -138,3 +138,41 @@ def test_torch_backend_sft_step_reports_the_nll_of_the_loss_tokens(toy_model_dir
     assert "train/pg_loss" not in m and m["train/grad_norm"] > 0
     m2 = b.train_step(groups, 1)
     assert m2["train/loss"] < m["train/loss"]  # the NLL of the same data falls after a step on it
+
+
+def test_sft_through_the_launcher_starts_no_engine_and_the_loss_falls(toy_model_dir, tmp_path):
+    """Issue 25's SFT: the toy task's train.jsonl rows as conversations (the answer as the assistant
+    turn), slime's flags, through ``scripts/train.py``: no engine starts and nothing is pushed, the bad
+    row is skipped and counted, and the NLL falls over 6 steps (measured: 4.54 -> 2.99 on the
+    random-weight toy model, 32 conversations a step, lr 3e-3)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "sft.jsonl"
+    with open(data, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "1+1="}]}) + "\n")  # no assistant turn
+        for line in list(open(toy_model_dir / "data" / "train.jsonl"))[:256]:
+            row = json.loads(line)
+            f.write(json.dumps({"messages": [{"role": "user", "content": row["prompt"]},
+                                             {"role": "assistant", "content": row["label"]}]}) + "\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(root / "scripts" / "train.py"), "--hf-checkpoint", str(toy_model_dir),
+           "--prompt-data", str(data), "--input-key", "messages",
+           "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
+           "--loss-agg", "seq_mean_token_mean", "--num-rollout", "6", "--rollout-batch-size", "32", "--lr", "3e-3",
+           "--output-dir", str(out), "--no-plots", "--buffer-name", f"buf-sft-{tmp_path.name}"]
+    proc = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "weight sync:" not in proc.stdout  # no engine, no push
+    assert "line 1: no assistant turn to train on; skipped" in proc.stderr
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    losses = [r["train/loss"] for r in rows]
+    assert len(losses) == 6 and all(r["train/num_samples"] == 32 for r in rows)
+    assert all(r["rollout/data_skipped_lines"] == 1 for r in rows)
+    assert not any(k.startswith("weight_sync/") or k == "perf/weight_sync_time" for r in rows for k in r)
+    assert losses[-1] < 0.8 * losses[0], losses
