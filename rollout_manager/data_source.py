@@ -20,7 +20,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from buffer.sample import Sample, Status
 from rollout_manager.settings import DataSettings
@@ -87,7 +87,7 @@ def _prompt_text(prompt: Any, settings: DataSettings, tokenizer: Any) -> str:
     return prompt
 
 
-def _record(row: Any, settings: DataSettings) -> tuple[Any, Any, dict]:
+def _record(row: Any, settings: DataSettings, label_required: bool = True) -> tuple[Any, Any, dict]:
     if isinstance(row, Exception):
         raise row
     if not isinstance(row, dict):
@@ -101,9 +101,9 @@ def _record(row: Any, settings: DataSettings) -> tuple[Any, Any, dict]:
         raise ValueError("bad messages: a list prompt must hold {role, content} objects")
     label = None
     if settings.label_key:
-        if settings.label_key not in row:
+        if settings.label_key not in row and label_required:
             raise ValueError(f"missing key: {settings.label_key!r} (--label-key)")
-        label = row[settings.label_key]
+        label = row.get(settings.label_key)
     metadata = row.get(settings.metadata_key) if settings.metadata_key else None
     if metadata is None:
         metadata = {}
@@ -112,9 +112,14 @@ def _record(row: Any, settings: DataSettings) -> tuple[Any, Any, dict]:
     return prompt, label, metadata
 
 
-def load_prompts(path: str | Path, settings: DataSettings, tokenizer: Any,
-                 flag: str = "--prompt-data") -> tuple[list[PromptRecord], DataReport]:
-    """Read and validate a prompt file. Bad lines are skipped and reported (or raise with --strict-data)."""
+def load_prompts(path: str | Path, settings: DataSettings, tokenizer: Any, flag: str = "--prompt-data",
+                 conversations: Callable[[Any, dict], list[int]] | None = None
+                 ) -> tuple[list[PromptRecord], DataReport]:
+    """Read and validate a prompt file. Bad lines are skipped and reported (or raise with --strict-data).
+
+    ``conversations``: the rows are whole conversations (the SFT rollout, ``rollout_manager/sft.py``):
+    each record keeps its messages as its prompt, with the ids ``conversations(messages, metadata)``
+    gives (a ``ValueError`` from it skips the row like any bad line)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{flag} {str(path)!r}: no such file")
@@ -123,7 +128,10 @@ def load_prompts(path: str | Path, settings: DataSettings, tokenizer: Any,
     parsed: list[tuple[int, Any, Any, dict, str]] = []
     for line, row in _read_rows(path):
         try:
-            prompt, label, metadata = _record(row, settings)
+            prompt, label, metadata = _record(row, settings, label_required=conversations is None)  # SFT: no label
+            if conversations is not None:
+                records.append(PromptRecord(prompt, label, metadata, list(conversations(prompt, metadata))))
+                continue
             parsed.append((line, prompt, label, metadata, _prompt_text(prompt, settings, tokenizer)))
         except (ValueError, TypeError) as e:
             _skip(report, settings, flag, line, str(e))

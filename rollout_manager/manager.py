@@ -40,6 +40,7 @@ from rollout_manager.rewards import Rewarder
 from rollout_manager.rollout import RolloutFailed, _takes_evaluation, abort_requests, run_rollout
 from rollout_manager.router import Router
 from rollout_manager.settings import PluginSettings, RolloutSettings
+from rollout_manager.sft import conversation_check, is_sft_rollout
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
 from rollout_manager.tito import tito_checker
 from sglang_protocol.client import EngineClient
@@ -150,7 +151,8 @@ class RolloutManager:
         else:
             if not d.prompt_data:
                 raise ValueError("--prompt-data is required")
-            records, self.data_report = load_prompts(d.prompt_data, d, self.tokenizer)
+            records, self.data_report = load_prompts(d.prompt_data, d, self.tokenizer,
+                                                     conversations=self._conversations(settings))
             self.data_source = DataSource(records, settings.sampling.n_samples_per_prompt, d.rollout_shuffle,
                                           d.rollout_seed, d.num_epoch)
         self.eval_records = None
@@ -166,11 +168,28 @@ class RolloutManager:
         self._client: EngineClient | None = None
         self._last_rollout_id: int | None = None
 
+    def _conversations(self, settings: RolloutSettings) -> Callable | None:
+        """Under the SFT rollout (``rollout_manager/sft.py``) the prompt rows are whole
+        conversations: their check for ``load_prompts``; None otherwise."""
+        if not is_sft_rollout(self.rollout_fn):
+            return None
+        if settings.data.apply_chat_template:
+            raise ValueError("--apply-chat-template: the SFT rollout (--rollout-function-path "
+                             f"{self.paths.get('--rollout-function-path')}) renders whole conversations itself; "
+                             "leave it out (slime's SFT script does)")
+        if settings.sampling.eval_prompt_data and is_sft_rollout(self.eval_fn):
+            raise ValueError("--eval-prompt-data: the SFT rollout does not evaluate (give an --eval-function-path "
+                             "or leave --eval-prompt-data out)")
+        return conversation_check(self.tokenizer, settings.data.loss_mask_type)
+
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Start (or attach to) the router, start and register the engines, build the context."""
         if self.ctx is not None:
             raise RuntimeError("RolloutManager.start() was already called")
+        if self.engineless:
+            self._start_context(client=None, dispatcher=None, engines=1)
+            return
         e = self.settings.engines
         if e.sglang_router_ip is not None:
             self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
@@ -191,10 +210,19 @@ class RolloutManager:
         live = lambda: [eng.url for eng in self.fleet.engines if eng.registered]  # noqa: E731
         self._dispatcher = Dispatcher(self._client, live, s.rollout_dispatch == "direct", s.request_timeout,
                                       api_key=e.api_key, admin_api_key=e.admin_api_key)
+        self._start_context(self._client, self._dispatcher, len(self.fleet.engines))
+
+    @property
+    def engineless(self) -> bool:
+        """The SFT rollout trains on data and evaluates nothing: no router and no engines start (what
+        slime's SFT script asks with --debug-train-only), and there is nothing to push weights to."""
+        return is_sft_rollout(self.rollout_fn) and is_sft_rollout(self.eval_fn)
+
+    def _start_context(self, client: EngineClient | None, dispatcher: Dispatcher | None, engines: int) -> None:
+        s = self.settings.sampling
         self.ctx = RolloutContext(
-            settings=self.settings, args=self.args, client=self._client, dispatcher=self._dispatcher,
-            engine_urls=lambda: self.fleet.urls,
-            semaphore=SampleSlots(s.sglang_server_concurrency * len(self.fleet.engines)),
+            settings=self.settings, args=self.args, client=client, dispatcher=dispatcher,
+            engine_urls=lambda: self.engine_urls, semaphore=SampleSlots(s.sglang_server_concurrency * engines),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
             all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito)

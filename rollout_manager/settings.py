@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flags import SettingError, check_bound, flag
+from flags import SettingError, check_bound, check_choice, flag
 from plugins.rewards import REMOTE_RMS
+
+
+# slime's --loss-mask-type values that the SFT rollout (rollout_manager/sft.py) builds (not qwen3_5)
+LOSS_MASK_TYPES = ("qwen", "qwen3", "distill_qwen")
 
 
 @dataclass
@@ -35,9 +39,13 @@ class DataSettings:
         None, "slime's prompt + response budget: plugins read it (args.rollout_max_context_len), and "
         "--rollout-max-prompt-len defaults to it minus one")
     strict_data: bool = flag(False, "a malformed prompt line is an error (default: skip it and count it)")
+    loss_mask_type: str = flag("qwen", "the SFT rollout's loss mask (slime's; rollout_manager/sft.py): qwen / qwen3, "
+                               "the assistant turns' tokens after their generation prompt; distill_qwen, the last "
+                               "message's content after the first message's prompt", choices=LOSS_MASK_TYPES)
 
     def __post_init__(self) -> None:
         check_bound(self, ">", 0, "rollout_max_prompt_len", "num_epoch")
+        check_choice(self, "loss_mask_type", LOSS_MASK_TYPES)
         context = self.rollout_max_context_len
         if context is None:
             return

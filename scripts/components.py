@@ -89,7 +89,7 @@ class Run:
             run.start_step, run.first_rollout = checkpoint.resume(run.s.load, trainer=run.trainer,
                                                                   rollout=run.rollout, buffer=run.buffer,
                                                                   logger=run.logger)
-        if run.trainer is not None and run.rollout is not None:
+        if run.trainer is not None and run.rollout is not None and run.engine_urls:  # none: the SFT rollout's
             run._connect_weight_sync()
         return run
 
@@ -139,7 +139,7 @@ class Run:
         rs = dataclasses.replace(rs, engines=dataclasses.replace(rs.engines, **self._weight_update_access()))
         self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()), **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
-        if self.s.colocate and not self.s.debug_rollout_only:
+        if self.s.colocate and not self.s.debug_rollout_only and self.engine_urls:
             from weight_sync.engines import EngineMemory
 
             rollout = self.rollout

@@ -358,6 +358,17 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, seq_ids: Tensor, num_seqs
     raise ValueError(f"--loss-agg={mode!r}: expected token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
 
 
+def sft_loss(logp: Tensor, loss_mask: Tensor, seq_ids: Tensor, num_seqs: int, denom: LossDenominators,
+             loss_agg: str) -> tuple[Tensor, dict[str, Tensor]]:
+    """``--loss-type sft_loss`` (slime's ``sft_loss_function``): the negative log-likelihood of the
+    loss-mask tokens, ``-agg(logp)``, aggregated as the policy loss is (``--loss-agg``: slime's
+    ``sum_of_sample_mean`` is ``seq_mean_token_mean``, its ``--calculate-per-token-loss`` is
+    ``token_mean``) over the step's denominators. ``logp, loss_mask, seq_ids [N]``. Returns
+    ``(loss, {"loss": loss})``, the one metric slime reports."""
+    loss = -aggregate(logp, loss_mask, loss_agg, seq_ids, num_seqs, denom)
+    return loss, {"loss": loss.detach()}
+
+
 # --- the whole objective ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LossConfig:

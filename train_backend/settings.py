@@ -22,7 +22,7 @@ CRITIC_FLAGS = ("critic_load", "critic_lr", "value_clip", "num_critic_only_steps
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # low_var_kl: slime's name for k3 clamped to [-10, 10] (its compute_approx_kl)
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_TYPES = ("policy_loss", "custom_loss")  # custom_loss: --custom-loss-function-path (slime's)
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")  # slime's; custom_loss: --custom-loss-function-path
 OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer; adam is AdamW (decoupled weight decay)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -166,7 +166,10 @@ class TrainSettings:
     tis_batch_normalize: bool = flag(False, "mis: divide the weights by their mean over the micro-batch (token or "
                                      "sequence level)")
     # slime's trainer-side plugins (train_backend/hooks.py); None = not set
-    loss_type: str = flag("policy_loss", "custom_loss: --custom-loss-function-path replaces the policy loss",
+    loss_type: str = flag("policy_loss", "policy_loss: the RL loss above; sft_loss: the negative log-likelihood of "
+                          "the loss-mask tokens (supervised training, e.g. with --rollout-function-path "
+                          "slime.rollout.sft_rollout.generate_rollout; --loss-agg aggregates it); custom_loss: "
+                          "--custom-loss-function-path replaces the policy loss",
                           choices=LOSS_TYPES, group=G_HOOKS)
     custom_loss_function_path: str | None = flag(None, _HOOK_HELP)
     custom_advantage_function_path: str | None = flag(None, _HOOK_HELP)
@@ -379,6 +382,15 @@ class TrainSettings:
                     raise SettingError((field, "loss_type"),
                                        "{" + field + "}" + f" {path} is called by the policy loss, which "
                                        "{loss_type} custom_loss replaces (as in slime, it would never be called)")
+        if self.loss_type == "sft_loss":  # slime's sft_loss_function reads only the log-probs and the mask
+            unread = [f for f, on in (("use_kl_loss", self.use_kl_loss), ("entropy_coef", self.entropy_coef != 0),
+                                      ("use_tis", self.use_tis), ("get_mismatch_metrics", self.get_mismatch_metrics),
+                                      ("custom_tis_function_path", self.custom_tis_function_path),
+                                      ("custom_pg_loss_reducer_function_path",
+                                       self.custom_pg_loss_reducer_function_path)) if on]
+            if unread:
+                raise SettingError((*unread, "loss_type"), "{" + "}, {".join(unread) + "}: not read by {loss_type} "
+                                   "sft_loss (the negative log-likelihood alone, as slime's sft_loss_function)")
         if self.backend == "torch" and self.custom_model_provider_path:
             raise SettingError(("custom_model_provider_path", "backend"),
                                f"{{custom_model_provider_path}} {self.custom_model_provider_path} builds a Megatron "

@@ -26,7 +26,7 @@ from metric_keys import TRAIN_REWARD_MEAN, TRAIN_TOKENS_PER_S
 from train_backend.batching import PackedMicroBatch, RolloutBatch, balance, begin_train_step
 from train_backend.hooks import TrainHooks
 from train_backend.losses import (ROLLOUT_SUM_STATS, ROLLOUT_COUNT, STEP_MEAN_STATS, LossConfig, LossDenominators,
-                                  aggregate, count_samples_without_loss_tokens, rl_loss)
+                                  aggregate, count_samples_without_loss_tokens, rl_loss, sft_loss)
 from train_backend.mismatch import builtin_importance
 from train_backend.settings import TrainSettings
 
@@ -157,7 +157,9 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     # does not change before each micro-batch's forward, so that forward's detached log-probs are
     # exactly the old ones and the extra pass is skipped.
     hooks.call_before_log_prob([backend.model], "")
-    old = [backend.forward_log_probs(backend.model, mbs) for mbs in plans] if len(plans) > 1 else None
+    # (sft_loss reads no old log-probs: no extra pass either.)
+    needs_old = len(plans) > 1 and s.loss_type != "sft_loss"
+    old = [backend.forward_log_probs(backend.model, mbs) for mbs in plans] if needs_old else None
     ref = None
     if backend.ref_model is not None:
         hooks.call_before_log_prob([backend.ref_model], "ref_")
@@ -231,13 +233,16 @@ def _micro_batch_loss(backend: StepBackend, p: PackedMicroBatch, denom: LossDeno
                       logits: LogitsOf, old_logp: Tensor | None, ref_logp: Tensor | None
                       ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's share of the step's loss and its stats: the custom loss with
-    ``--loss-type custom_loss``, else :func:`~train_backend.losses.rl_loss`."""
+    ``--loss-type custom_loss``, :func:`~train_backend.losses.sft_loss` with ``sft_loss``, else
+    :func:`~train_backend.losses.rl_loss`."""
     s, hooks = backend.settings, backend.hooks
     if hooks.loss is not None:
         def sum_of_sample_mean(x: Tensor) -> Tensor:
             return aggregate(x, p.loss_mask, s.loss_agg, p.seq_ids, p.num_seqs, denom)
 
         return hooks.custom_loss(logits(), p, sum_of_sample_mean, old_logp, ref_logp)
+    if s.loss_type == "sft_loss":
+        return sft_loss(log_probs(False)[0], p.loss_mask, p.seq_ids, p.num_seqs, denom, s.loss_agg)
     logp, entropy = log_probs(s.entropy_coef != 0)
     return rl_loss(backend.loss_cfg, denom, logp, logp.detach() if old_logp is None else old_logp, p.advantages,
                    p.loss_mask, p.seq_ids, p.num_seqs, entropy=entropy, ref_logp=ref_logp,
