@@ -265,7 +265,7 @@ class RolloutManager:
         if work.tasks:
             e = self.settings.engines
             await abort_requests(self.engine_urls, list(work.step.inflight), e.admin_api_key or e.api_key)
-            _, still = await asyncio.wait(set(work.tasks), timeout=_SHUTDOWN_WORK_S)
+            _, still = await asyncio.wait(set(work.tasks), timeout=_SHUTDOWN_WORK_S) if work.tasks else (None, ())
             for t in still:
                 t.cancel()
             if still:
