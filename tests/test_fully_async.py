@@ -112,3 +112,45 @@ def test_held_groups_go_back_to_the_source_on_resume(toy_model_dir):
     assert set(held) <= set(trained) | {g[0]["group_index"] for g in state2.get("held_groups", [])} \
         | {g[0]["group_index"] for g in state2["data_source"]["returned"]}
     _exactly_once(trained0 + trained, state2)
+
+
+# CI time: one launcher run (slime's file); slime_compat's runs the same in-process test above
+@pytest.mark.parametrize("path", [VERBATIM, pytest.param(COMPAT, marks=pytest.mark.slow)])
+def test_three_fully_async_steps_through_the_launcher(toy_model_dir, tmp_path, path):
+    """scripts/train.py, async mode (--max-weight-staleness 1, stale groups returned for
+    regeneration): 3 steps, every trained group trained once, every trained sample within the
+    staleness bound, and the run (its shutdown included) ends."""
+    import os
+    import subprocess
+    import sys
+
+    from buffer.arrow import read_parquet
+
+    root = Path(__file__).resolve().parents[1]
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    config = tmp_path / "toy.yaml"  # the toy config without evaluation (fully_async does not evaluate)
+    config.write_text("".join(line for line in open(root / "examples/toy/grpo_cpu.yaml")
+                              if not line.startswith(("eval-interval:", "eval-prompt-data:"))))
+    cmd = [sys.executable, str(root / "scripts/train.py"), "--config", str(config),
+           "--hf-checkpoint", str(toy_model_dir), "--prompt-data", str(toy_model_dir / "data/train.jsonl"),
+           "--no-build-toy-model", "--no-plots", "--output-dir", str(out), "--buffer-name", f"buf-{tmp_path.name}",
+           "--num-rollout", "3", "--rollout-function-path", path,
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+           "--sglang-server-concurrency", "1", "--rollout-max-response-len", "4",
+           "--max-weight-staleness", "1", "--stale-policy", "return",
+           "--save", str(ckpt), "--save-interval", "3", "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    trained, lags = [], []
+    for step in range(3):
+        for group in read_parquet(out / f"dump_{step}.parquet"):
+            trained.append(group[0].group_index)
+            lags += [step - min(s.weight_versions) for s in group]
+    assert len(trained) == 6 and len(set(trained)) == 6, trained  # each group trained once
+    assert 0 <= min(lags) and max(lags) <= 1, lags  # the staleness bound held for every trained sample
+    state = json.loads((ckpt / "step_000002" / "driver_state.json").read_text())["rollout"]
+    held = [g[0]["group_index"] for g in state.get("held_groups", [])]
+    returned = [g[0]["group_index"] for g in state["data_source"]["returned"]]
+    drawn = trained + held + returned
+    assert len(drawn) == len(set(drawn)) and set(drawn) <= set(range(state["data_source"]["next_group_index"]))
