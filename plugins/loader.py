@@ -11,9 +11,12 @@ imported).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import inspect
-from typing import Callable
+import threading
+from typing import Any, Callable, Iterator
 
 from plugins import slime_alias
 
@@ -31,7 +34,8 @@ def load_function(path: str, flag: str, params: list[str] | None = None,
     module_name, _, attr = path.rpartition(".")
     slime_alias.install()  # plugins written for slime import slime.* (see the module doc)
     try:
-        module = importlib.import_module(module_name)
+        with _noting_atexit():
+            module = importlib.import_module(module_name)
     except Exception as e:  # any import-time error is the user's plugin failing to load
         raise ValueError(f"{flag} {path!r}: cannot import module {module_name!r}: "
                          f"{type(e).__name__}: {e}") from e
@@ -47,6 +51,37 @@ def load_function(path: str, flag: str, params: list[str] | None = None,
         want = "an async function (async def)" if is_async else "a plain function (not async def)"
         raise ValueError(f"{flag} {path!r}: must be {want}")
     return fn
+
+
+_atexit_lock = threading.RLock()  # a plugin module may load another while it is imported
+_atexit_fns: list[Callable[[], Any]] = []
+
+
+@contextlib.contextmanager
+def _noting_atexit() -> Iterator[None]:
+    """While a plugin module is imported, note the functions it registers with ``atexit`` (they
+    are still registered): its cleanup, e.g. slime's fully_async stopping its worker thread."""
+    with _atexit_lock:
+        register = atexit.register
+
+        def noting(fn: Callable, *args: Any, **kwargs: Any) -> Callable:
+            if not args and not kwargs:
+                _atexit_fns.append(fn)
+            return register(fn, *args, **kwargs)
+        atexit.register = noting
+        try:
+            yield
+        finally:
+            atexit.register = register
+
+
+def plugin_atexit_functions() -> list[Callable[[], Any]]:
+    """The functions plugin modules registered with ``atexit`` while ``load_function`` imported
+    them (no-argument ones), in order. The rollout manager runs them at shutdown as well: a Ray
+    actor may exit without running ``atexit``, and a plugin's worker must stop before the engines it
+    uses go away. Such a function must tolerate running twice."""
+    with _atexit_lock:
+        return list(dict.fromkeys(_atexit_fns))
 
 
 def _check_signature(fn: Callable, path: str, flag: str, params: list[str]) -> None:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from buffer.sample import Sample, Status
+from rollout_manager.plugin_api import current_context, current_step
 from rollout_manager.settings import DataSettings
 
 log = logging.getLogger(__name__)
@@ -234,3 +236,107 @@ class DataSource:
         self.next_group_index = state["next_group_index"]
         self._order = self._epoch_order(self.epoch)
         self._returned = deque([[Sample.from_dict(d) for d in g] for g in state["returned"]])
+
+
+def _group_key(group: list[Sample]) -> Any:
+    """A group's identity across the copies a generate may make: its ``group_index`` (unique per
+    drawn prompt in our sources), else its first sample object's."""
+    for s in group:
+        if s.group_index is not None:
+            return ("group", s.group_index)
+    return ("object", id(group[0])) if group else None
+
+
+class ThreadSafeDataSource:
+    """The data source as the manager and its rollout functions use it: every call is serialized
+    by one lock, so a plugin's own thread (slime's fully_async worker) may draw groups while the
+    manager checkpoints it or gives groups back.
+
+    Groups drawn outside a rollout step (from a plugin's own thread or loop, or detached work)
+    are *held by a plugin* until they come back: in a rollout function's output (``settle``) or
+    through ``add_samples``. ``held_groups()`` gives copies of them, reset to their prompts, for a
+    checkpoint: a resumed run serves them again first, so each prompt is trained once even though
+    the worker drew it before the checkpoint. Anything else (``state_dict``, ``exhausted``, a
+    slime data source's own methods) is the wrapped source's, called under the lock."""
+
+    def __init__(self, source: Any):
+        self._source = source
+        self._lock = threading.RLock()
+        self._held: dict[Any, list[Sample]] = {}
+
+    @property
+    def source(self) -> Any:
+        """The wrapped data source."""
+        return self._source
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """The source's ``get_samples``; outside a rollout step the groups are noted as held."""
+        with self._lock:
+            groups = self._source.get_samples(num_samples)
+            if _outside_a_step():
+                for g in groups:
+                    if g:
+                        self._held[_group_key(g)] = g
+            return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """The source's ``add_samples``; the groups are no longer held."""
+        with self._lock:
+            self._source.add_samples(groups)
+            self._forget(groups)
+
+    def settle(self, groups: list[list[Sample]]) -> None:
+        """A rollout function returned these groups: they are no longer held."""
+        with self._lock:
+            self._forget(groups)
+
+    def _forget(self, groups: list[list[Sample]]) -> None:
+        for g in groups or []:
+            if isinstance(g, list) and g:
+                flat = [x for part in g for x in (part if isinstance(part, list) else [part])]
+                self._held.pop(_group_key(flat), None)
+
+    def held_groups(self) -> list[list[Sample]]:
+        """Copies of the groups held by a plugin, reset to their prompts (for a checkpoint)."""
+        from rollout_manager.generate import reset_sample
+
+        with self._lock:
+            held = [[Sample.from_dict(s.to_dict()) for s in g] for g in self._held.values()]
+        for g in held:
+            for s in g:
+                reset_sample(s)
+        return held
+
+    @property
+    def num_held(self) -> int:
+        """How many groups a plugin holds now."""
+        return len(self._held)
+
+    def forget_held(self) -> None:
+        """A resumed run: what was held belongs to the previous run."""
+        with self._lock:
+            self._held.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._source)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        with self._lock:
+            value = getattr(self._source, name)
+        if not callable(value):
+            return value
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return value(*args, **kwargs)
+        return locked
+
+
+def _outside_a_step() -> bool:
+    """Whether the caller draws outside a rollout step: a plugin's own thread or loop, or work
+    handed over from one (the manager's detached step)."""
+    ctx, step = current_context(None), current_step(None)
+    return step is None or (ctx is not None and ctx.detached is not None and step is ctx.detached.step)

@@ -28,14 +28,15 @@ from typing import Any, Callable
 from buffer.retry import call_buffer_async
 from buffer.sample import Sample
 from flags import flag_of
-from plugins.loader import load_function
+from plugins.loader import load_function, plugin_atexit_functions
 from plugins.slime_args import fill_slime_args
-from rollout_manager.data_source import DataReport, DataSource, load_prompts
+from rollout_manager.data_source import DataReport, DataSource, ThreadSafeDataSource, load_prompts
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engines import EngineFleet
 from rollout_manager.generate import SampleSlots, generate as default_generate, reset_sample
-from rollout_manager.plugin_api import (RolloutContext, StepState, is_default_rollout, run_shutdown_hooks,
-                                        set_context, set_step)
+from rollout_manager.plugin_api import (DetachedWork, RolloutContext, StepState, is_default_rollout,
+                                        register_live_context, run_shutdown_hooks, set_context, set_step,
+                                        unregister_live_context)
 from rollout_manager.rewards import Rewarder
 from rollout_manager.rollout import RolloutFailed, _takes_evaluation, abort_requests, run_rollout
 from rollout_manager.router import Router
@@ -46,6 +47,8 @@ from rollout_manager.tito import tito_checker
 from sglang_protocol.client import EngineClient
 
 log = logging.getLogger(__name__)
+_SHUTDOWN_WORK_S = 5.0  # shutdown: how long detached work may take to hand back its aborted groups
+_SHUTDOWN_EXIT_HOOKS_S = 4.0  # then the plugins' atexit functions (a worker thread's join)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,8 @@ class RolloutManager:
                                                      conversations=self._conversations(settings))
             self.data_source = DataSource(records, settings.sampling.n_samples_per_prompt, d.rollout_shuffle,
                                           d.rollout_seed, d.num_epoch)
+        # rollout functions may draw from a thread of their own (slime's fully_async worker)
+        self.data_source = ThreadSafeDataSource(self.data_source)
         self.eval_records = None
         self.eval_report: DataReport | None = None
         if settings.sampling.eval_prompt_data:
@@ -225,9 +230,11 @@ class RolloutManager:
             engine_urls=lambda: self.engine_urls, semaphore=SampleSlots(s.sglang_server_concurrency * engines),
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
-            all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito)
+            all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito,
+            detached=DetachedWork(limit=max(1, s.rollout_batch_size)))
         self.ctx.running.set()
         set_context(self.ctx)
+        register_live_context(self.ctx)  # plugins' own threads and loops find it (plugin_api)
 
     @property
     def engine_urls(self) -> list[str]:
@@ -260,7 +267,10 @@ class RolloutManager:
             raise ValueError(f"kill: {target!r} is not 'router' (one this manager started) or 'engine'")
 
     async def shutdown(self) -> None:
-        """Stop the engines and the router this manager started."""
+        """Stop the work of plugins' own threads (see ``_stop_detached_work``), then the engines and
+        the router this manager started."""
+        if self.ctx is not None:
+            await self._stop_detached_work(self.ctx)
         stops = [self.fleet.stop()] if self.fleet is not None else []
         if self.router is not None:  # the router and the engines stop side by side (each waits on its exit)
             stops.append(asyncio.to_thread(self.router.stop))
@@ -269,7 +279,36 @@ class RolloutManager:
             await self._client.close()
             await self._dispatcher.close()
         await run_shutdown_hooks()  # plugins' on_shutdown hooks (slime's post() closes its client here)
+        if self.ctx is not None:
+            unregister_live_context(self.ctx)
         self.ctx = None
+
+    async def _stop_detached_work(self, ctx: RolloutContext) -> None:
+        """No new work from plugins' own threads; what runs is aborted on the engines (its groups
+        come back aborted, to be handed back to the data source by the plugin) and given
+        ``_SHUTDOWN_WORK_S`` to end, then cancelled; then the plugins' ``atexit`` functions run
+        (slime's fully_async stops and joins its worker thread there)."""
+        work = ctx.detached
+        work.closed, work.step.stopping = True, True
+        if work.tasks:
+            e = self.settings.engines
+            await abort_requests(self.engine_urls, list(work.step.inflight), e.admin_api_key or e.api_key)
+            _, still = await asyncio.wait(set(work.tasks), timeout=_SHUTDOWN_WORK_S) if work.tasks else (None, ())
+            for t in still:
+                t.cancel()
+            if still:
+                log.warning("shutdown: %d task(s) of plugins' own threads did not end within %g s; cancelled",
+                            len(still), _SHUTDOWN_WORK_S)
+        hooks = plugin_atexit_functions()
+        if hooks:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(_run_all, hooks), _SHUTDOWN_EXIT_HOOKS_S)
+            except asyncio.TimeoutError:
+                log.warning("shutdown: the plugins' atexit functions did not return within %g s",
+                            _SHUTDOWN_EXIT_HOOKS_S)
+        if self.data_source.num_held:
+            log.info("shutdown: %d group(s) drawn by plugins' own threads were never returned (a checkpoint "
+                     "saves them as given back)", self.data_source.num_held)
 
     # --- generation ----------------------------------------------------------------------
     async def _call_rollout_fn(self, fn: Callable, rollout_id: int, data_source: Any, evaluation: bool,
@@ -289,9 +328,10 @@ class RolloutManager:
         flag = "--eval-function-path" if evaluation else "--rollout-function-path"
         try:
             if inspect.iscoroutinefunction(fn):
-                out = await fn(self.args, rollout_id, data_source, **kwargs)
+                call = asyncio.ensure_future(fn(self.args, rollout_id, data_source, **kwargs))
             else:  # slime's rollout functions block: run them off the loop (the context travels along)
-                out = await asyncio.to_thread(fn, self.args, rollout_id, data_source, **kwargs)
+                call = asyncio.ensure_future(asyncio.to_thread(fn, self.args, rollout_id, data_source, **kwargs))
+            out = await _unless_detached_work_fails(ctx, step, call, f"{flag} {self.paths.get(flag)!r}", rollout_id)
         except RolloutFailed:
             raise
         except Exception as e:  # one line naming the plugin; the traceback goes to the log
@@ -301,6 +341,11 @@ class RolloutManager:
         finally:
             ctx.active_steps.discard(id(step))
         data, metrics = _unpack_rollout_output(out, evaluation, flag, self.paths.get(flag))
+        if isinstance(data, list) and isinstance(data_source, ThreadSafeDataSource):
+            data_source.settle(data)  # groups a plugin's own thread drew are back
+        if ctx.detached.failures or (isinstance(data_source, ThreadSafeDataSource) and data_source.num_held):
+            metrics["rollout/held_groups"] = float(getattr(data_source, "num_held", 0))
+            metrics["rollout/detached_failures"] = float(sum(ctx.detached.failures.values()))
         return data, step, loop.time() - t0, metrics
 
     async def generate(self, rollout_id: int, evaluation: bool = False,
@@ -406,19 +451,64 @@ class RolloutManager:
 
     # --- resumption ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The data source's position, and the groups plugins' own threads hold (drawn, not yet
+        returned: they are given back to the source on resume, so no prompt is lost or drawn twice)."""
         ds = self.data_source
+        held = {"held_groups": [[s.to_dict() for s in g] for g in ds.held_groups()]} if ds.num_held else {}
         if hasattr(ds, "state_dict"):
-            return {"data_source": ds.state_dict()}
+            return {"data_source": ds.state_dict(), **held}
         if hasattr(ds, "save") and self._last_rollout_id is not None:  # slime's protocol: it saves itself
             ds.save(self._last_rollout_id)
-        return {"data_source": None, "data_source_rollout_id": self._last_rollout_id}
+        return {"data_source": None, "data_source_rollout_id": self._last_rollout_id, **held}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (the held groups go back to the data source)."""
         ds = self.data_source
         if state.get("data_source") is not None:
             ds.load_state_dict(state["data_source"])
         elif hasattr(ds, "load"):
             ds.load(state.get("data_source_rollout_id"))
+        ds.forget_held()
+        held = [[Sample.from_dict(d) for d in g] for g in state.get("held_groups") or []]
+        if held:
+            try:
+                ds.add_samples(held)
+            except Exception as e:
+                raise RuntimeError(f"resume: the data source cannot take back the {len(held)} group(s) a plugin's "
+                                   f"own thread held at the checkpoint ({type(e).__name__}: {e}); use a data "
+                                   "source with add_samples") from e
+
+
+async def _unless_detached_work_fails(ctx: RolloutContext, step: StepState, call: asyncio.Future, what: str,
+                                      rollout_id: int) -> Any:
+    """``await call`` (a rollout function), unless the work plugins' own threads hand over keeps
+    failing (``DetachedWork.failing``): then the step ends with ``RolloutFailed`` instead of waiting
+    for groups that never come; the work the function's thread handed over is cancelled, so the
+    thread returns (with an error naming why)."""
+    failing = asyncio.ensure_future(ctx.detached.failing.wait())
+    try:
+        await asyncio.wait({call, failing}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failing.cancel()
+    if call.done():
+        return call.result()
+    work = ctx.detached
+    step.failed = (f"rollout {rollout_id}: {work.in_a_row} calls in a row that a plugin's own thread handed to the "
+                   f"rollout manager failed (last: {work.last_error}); {what} would wait for groups that never come")
+    log.error("%s", step.failed)
+    for t in list(step.handed_over):
+        t.cancel()
+    call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is the one above
+    raise RolloutFailed(step.failed, step)
+
+
+def _run_all(fns: list[Callable[[], Any]]) -> None:
+    for fn in fns:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one plugin's cleanup must not skip the others'
+            log.exception("plugin atexit function %s.%s failed", getattr(fn, "__module__", "?"),
+                          getattr(fn, "__qualname__", repr(fn)))
 
 
 def _length(ds: Any) -> int:

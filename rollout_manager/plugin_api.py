@@ -25,9 +25,26 @@ At import time (a plugin module's top level), two registrations:
   (to close clients a plugin opened on that loop).
 
 Context variables carry the context and step, so they reach the tasks a plugin starts, but not a
-thread of its own or a coroutine handed to another loop (``asyncio.run_coroutine_threadsafe``): read
-both there with ``current_context()`` / ``current_step(None)`` first, and set them on the other side
-with ``set_context`` / ``set_step`` (``slime.utils.async_utils.run`` does exactly that).
+thread of its own (``threading.Thread``) or an event loop of its own (``asyncio.run`` there). From
+such a thread or loop:
+
+- ``current_context()`` finds the rollout manager of this process (when exactly one runs; else
+  read it inside the rollout and ``set_context`` it on the other side), ``current_step(None)`` is
+  None: the work belongs to no rollout step;
+- ``await on_manager_loop(coro)`` (from a loop of its own) or ``call_on_manager_loop(coro)`` (from a
+  plain thread, blocking only that thread) runs ``coro`` on the manager's event loop, where the
+  router client, the in-flight ``semaphore`` and the ``running`` event live: generating there from
+  another loop would fail or deadlock. slime's ``generate*``, ``post``, ``get`` and
+  ``async_utils.run`` do this for you, so slime's ``fully_async`` worker thread runs unchanged;
+- the data source a rollout function gets is safe to call from any thread; groups drawn outside a
+  rollout step are "held by a plugin" until they come back in a rollout function's output or
+  through ``add_samples``, and a checkpoint saves them as given back, so a resumed run draws each
+  prompt once;
+- work handed over outside a rollout step runs under the manager's detached step (its counters;
+  ``stopping`` once the manager shuts down, when its requests are aborted). Failures of that work
+  are counted and logged; when ``--rollout-batch-size`` of them come in a row, the rollout step in
+  progress ends with ``RolloutFailed`` naming the last error (it would otherwise wait forever for
+  groups that never come).
 
 Example, a custom generate that posts to the router itself::
 
@@ -49,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import inspect
@@ -56,7 +74,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator, TypeVar
 
 from buffer.sample import parse_weight_version
 
@@ -70,7 +88,8 @@ if TYPE_CHECKING:
 __all__ = ["RolloutContext", "RolloutStats", "StepState", "current_context", "current_step", "set_context",
            "set_step", "note_weight_versions", "seen_weight_versions", "recording_weight_versions",
            "note_engine_call", "recording_engine_calls",
-           "register_default_rollout", "is_default_rollout", "on_shutdown", "run_shutdown_hooks"]
+           "register_default_rollout", "is_default_rollout", "on_shutdown", "run_shutdown_hooks",
+           "DetachedWork", "on_manager_loop", "call_on_manager_loop", "start_detached", "live_context"]
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -104,6 +123,38 @@ class StepState:
     stopping: bool = False
     inflight: set[str] = field(default_factory=set)  # request ids, for targeted aborts
     rollout_id: int | None = None  # the step's rollout id (what --rollout-sample-hook-path hooks get)
+    handed_over: set = field(default_factory=set)  # tasks run on the manager's loop for this step's threads
+    failed: str | None = None  # why the step was ended from outside (detached work kept failing)
+
+
+@dataclass
+class DetachedWork:
+    """Work handed to the manager's loop by a plugin's own thread or loop, outside any rollout step
+    (slime's fully_async worker). It runs under ``step`` (no rollout id; ``stopping`` at shutdown).
+    ``failing`` is set once ``limit`` calls in a row raised: the rollout step in progress then ends
+    with ``RolloutFailed`` naming ``last_error`` (no group would ever come)."""
+
+    limit: int  # failures in a row that end the rollout step in progress (--rollout-batch-size)
+    step: StepState = field(default_factory=StepState)
+    tasks: set = field(default_factory=set)  # asyncio tasks running on the manager's loop
+    failures: Counter = field(default_factory=Counter)  # by error type, since the manager started
+    in_a_row: int = 0
+    last_error: str = ""
+    failing: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False  # the manager shuts down: no new work
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+        self.failing.clear()
+
+    def failed(self, e: BaseException) -> None:
+        self.failures[type(e).__name__] += 1
+        self.in_a_row += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        log.warning("work a plugin handed to the rollout manager from its own thread failed (%d in a row): %s",
+                    self.in_a_row, self.last_error)
+        if self.in_a_row >= self.limit:
+            self.failing.set()
 
 
 @dataclass
@@ -132,6 +183,7 @@ class RolloutContext:
     sample_hooks: list[tuple[str, Callable]] = field(default_factory=list)  # --rollout-sample-hook-path, in order
     paths: dict[str, str] = field(default_factory=dict)  # flag -> import path, for failure reports
     tito: Any = None  # --tito-check's TitoChecker (rollout_manager/tito.py), None when off
+    detached: DetachedWork | None = None  # work of plugins' own threads and loops (the manager sets it)
 
 
 # --- the current context and step ----------------------------------------------------------------
@@ -140,15 +192,52 @@ _CONTEXT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("reser
 _STEP: contextvars.ContextVar[StepState] = contextvars.ContextVar("reservoir_rollout_step")
 
 
-def current_context(default: Any = _MISSING) -> RolloutContext:
-    """The rollout manager's context, inside a function the manager runs (and the tasks it starts).
+_LIVE: list[RolloutContext] = []  # the started rollout managers of this process
 
-    Outside one, ``default`` when given (``current_context(None)`` asks "am I inside a rollout?"),
+
+def current_context(default: Any = _MISSING) -> RolloutContext:
+    """The rollout manager's context, inside a function the manager runs (and the tasks it starts);
+    in a thread or event loop of a plugin's own, the rollout manager of this process
+    (``live_context``).
+
+    Elsewhere, ``default`` when given (``current_context(None)`` asks "am I inside a rollout?"),
     else ``RuntimeError``."""
-    ctx = _CONTEXT.get(default)
-    if ctx is _MISSING:
-        raise RuntimeError("no rollout context: call this from a function the RolloutManager runs")
+    ctx = _CONTEXT.get(None)
+    if ctx is None:
+        ctx = live_context()
+    if ctx is None:
+        if default is _MISSING:
+            raise RuntimeError("no rollout context: call this from a function the RolloutManager runs")
+        return default
     return ctx
+
+
+def live_context() -> RolloutContext | None:
+    """The context of the one rollout manager started in this process, when the caller is not on
+    its event loop (a plugin's own thread or loop); else None (on the manager's loop, outside a
+    function the manager runs, or with several managers: set the context there with ``set_context``)."""
+    with _lock:
+        live = list(_LIVE)
+    if len(live) != 1:
+        return None
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    return live[0] if running is not live[0].loop else None
+
+
+def register_live_context(ctx: RolloutContext) -> None:
+    """The manager's: ``ctx`` is started (``live_context`` may answer it) until ``unregister``."""
+    with _lock:
+        _LIVE.append(ctx)
+
+
+def unregister_live_context(ctx: RolloutContext) -> None:
+    """The manager's, at shutdown."""
+    with _lock:
+        if ctx in _LIVE:
+            _LIVE.remove(ctx)
 
 
 def current_step(default: Any = _MISSING) -> StepState:
@@ -172,6 +261,119 @@ def set_context(ctx: RolloutContext) -> contextvars.Token:
 def set_step(step: StepState) -> contextvars.Token:
     """Make ``step`` the current rollout step of this task or thread (as ``set_context``)."""
     return _STEP.set(step)
+
+
+# --- a plugin's own thread or event loop ----------------------------------------------------------
+T = TypeVar("T")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _handed_over(ctx: RolloutContext, step: StepState | None, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the manager's loop as work of ``step`` (None: detached work, see
+    ``DetachedWork``), with the context set; the task is tracked so that the step's end or the
+    manager's shutdown can stop it."""
+    set_context(ctx)
+    work = ctx.detached
+    if step is None:
+        if work is None or work.closed:
+            coro.close()
+            raise RuntimeError("the rollout manager is shutting down: it takes no new work")
+        owner = work.tasks
+        set_step(work.step)
+    else:
+        owner = step.handed_over
+        set_step(step)
+    task = asyncio.current_task()
+    owner.add(task)
+    try:
+        out = await coro
+    except Exception as e:
+        if step is None:
+            work.failed(e)
+        raise
+    finally:
+        owner.discard(task)
+    if step is None:
+        work.succeeded()
+    return out
+
+
+def _manager_context(what: str) -> RolloutContext:
+    ctx = current_context(None)
+    if ctx is None:
+        raise RuntimeError(f"{what}: no rollout context: no rollout manager runs in this process (or several "
+                           "do: set_context(ctx) in this thread first)")
+    return ctx
+
+
+async def on_manager_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` run on the rollout manager's event loop, from any event loop.
+
+    On the manager's loop it is simply awaited. On a loop of a plugin's own (a worker thread's
+    ``asyncio.run``) it is handed to the manager's loop (``asyncio.run_coroutine_threadsafe``) with
+    the rollout context, and with the caller's step, or the manager's detached step when the caller
+    has none; only the caller's loop waits, the manager's never blocks. Cancelling the await cancels
+    the work there. This is how generation, ``post()`` and anything using the manager's client,
+    ``semaphore`` or ``running`` event can be called from a plugin's own loop: those belong to the
+    manager's loop and would fail (or deadlock) on another one.
+
+    Raises ``RuntimeError`` when no rollout manager is found (see ``current_context``) or once it
+    shuts down; the work's own exception otherwise."""
+    try:
+        ctx = _manager_context("on_manager_loop")
+    except RuntimeError:
+        coro.close()
+        raise
+    if _running_loop() is ctx.loop:
+        return await coro
+    fut = asyncio.run_coroutine_threadsafe(_handed_over(ctx, current_step(None), coro), ctx.loop)
+    return await asyncio.wrap_future(fut)
+
+
+def call_on_manager_loop(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run ``coro`` on the rollout manager's event loop and block this thread until it is done (the
+    blocking twin of ``on_manager_loop``, for a plain thread: a slime rollout function, a worker).
+
+    ``timeout``: seconds before ``TimeoutError`` (the work is then cancelled). Raises
+    ``RuntimeError`` when called on the manager's loop itself (it would block it: await the
+    coroutine instead), when no manager is found, or when the rollout step it belongs to was ended
+    (its message says why)."""
+    try:
+        ctx = _manager_context("call_on_manager_loop")
+    except RuntimeError:
+        coro.close()
+        raise
+    if _running_loop() is ctx.loop:
+        coro.close()
+        raise RuntimeError("call_on_manager_loop blocks: it was called on the rollout manager's event loop "
+                           "(from async code, await the coroutine instead)")
+    step = current_step(None)
+    fut = asyncio.run_coroutine_threadsafe(_handed_over(ctx, step, coro), ctx.loop)
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise TimeoutError(f"call_on_manager_loop: not done within {timeout:g} s") from None
+    except concurrent.futures.CancelledError:
+        why = step.failed if step is not None and step.failed else "it was cancelled"
+        raise RuntimeError(f"call_on_manager_loop: the work was stopped: {why}") from None
+
+
+def start_detached(coro: Coroutine[Any, Any, Any]) -> "asyncio.Future[Any] | concurrent.futures.Future[Any]":
+    """Start ``coro`` on the rollout manager's loop as detached work (of no rollout step: a pool of
+    generations that outlives a step, as slime's fully_async keeps); returns its asyncio task (when
+    called on the manager's loop) or a ``concurrent.futures.Future`` (from another thread). It runs
+    under the manager's detached step: counted, stopped at shutdown (its requests aborted first)."""
+    ctx = _manager_context("start_detached")
+    if _running_loop() is ctx.loop:  # a fresh context: the caller's step and recordings stay with it
+        return ctx.loop.create_task(_handed_over(ctx, None, coro), context=contextvars.Context())
+    return asyncio.run_coroutine_threadsafe(_handed_over(ctx, None, coro), ctx.loop)
 
 
 # --- the weight versions a sample's requests saw -------------------------------------------------

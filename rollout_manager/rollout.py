@@ -497,7 +497,7 @@ async def _wind_down(ctx: RolloutContext, step: StepState, pending: set[asyncio.
     """Abort what is still running; give every unfinished group back to the data source."""
     step.stopping = True
     # abort_all when this is the only step running (one request per engine), else just ours
-    only_step = ctx.active_steps == {id(step)}
+    only_step = ctx.active_steps == {id(step)} and not (ctx.detached is not None and ctx.detached.tasks)
     e = ctx.settings.engines
     await abort_requests(ctx.engine_urls(), None if only_step else list(step.inflight), e.admin_api_key or e.api_key)
     done, still = await asyncio.wait(pending, timeout=ctx.settings.sampling.request_timeout)

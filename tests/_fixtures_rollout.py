@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 from pathlib import Path
 from typing import AsyncIterator
@@ -81,3 +82,40 @@ async def half_broken_generate(args, sample, sampling_params):
         sample.response_length += 1  # but no loss_mask entry: inconsistent
         raise RuntimeError("tool crashed")
     return await generate(args, sample, sampling_params)
+
+
+# the fully_async hang of issue 26 (tests/test_fully_async.py): a worker thread with a loop of its own
+WORKER_STATE: dict = {}
+
+
+def rollout_whose_worker_fails(args, rollout_id, data_source, evaluation=False):
+    """Starts a worker thread (its own event loop) whose every group fails before generating (a
+    generate path that does not import) and drops it, then waits for groups on the manager's loop,
+    as slime's fully_async does: without the manager's guard it would wait forever."""
+    import threading
+
+    from slime.rollout.sglang_rollout import generate_and_rm_group
+    from slime.utils.async_utils import run
+
+    stop = WORKER_STATE["stop"] = threading.Event()
+    WORKER_STATE["waiting_thread_error"] = threading.Event()
+
+    async def work():
+        while not stop.is_set():
+            for group in data_source.get_samples(1):
+                for s in group:
+                    s.generate_function_path = "no_such_generate_module.generate"
+                try:
+                    await generate_and_rm_group(args, group, {}, evaluation=False)
+                except Exception:
+                    pass  # dropped, as slime's worker drops a group whose task raised
+            await asyncio.sleep(0.05)
+    threading.Thread(target=lambda: asyncio.run(work()), daemon=True).start()
+
+    async def wait_forever():
+        await asyncio.Event().wait()
+    try:
+        return run(wait_forever())
+    except RuntimeError:
+        WORKER_STATE["waiting_thread_error"].set()
+        raise

@@ -2,7 +2,9 @@
 ``generate_rollout``, ``abort``, ``get_model_url``, on top of Reservoir's rollout.
 
 They work inside functions the rollout manager runs (a custom generate, a rollout function, or
-coroutines those hand to ``slime.utils.async_utils.run``):
+coroutines those hand to ``slime.utils.async_utils.run``), and from a thread or event loop of a
+plugin's own (slime's fully_async worker): the coroutines run on the manager's loop there
+(``plugin_api.on_manager_loop``), while only the caller's loop waits:
 
 - ``GenerateState(args)``: one per rollout manager. ``tokenizer`` (of ``--hf-checkpoint``),
   ``semaphore`` (the manager's in-flight limit: already held inside a custom generate, so taking it
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from buffer.sample import Sample, Status
-from rollout_manager.plugin_api import current_context, current_step, register_default_rollout
+from rollout_manager.plugin_api import current_context, current_step, on_manager_loop, register_default_rollout
 from slime_compat.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 
 __all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout", "abort",
@@ -104,6 +106,10 @@ class GenerateState:
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """slime's default generate: the sample's prompt through the router, its tokens and log-probs appended."""
+    return await on_manager_loop(_generate(args, sample, sampling_params))
+
+
+async def _generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     from rollout_manager.generate import generate as reservoir_generate
     from rollout_manager.rollout import ensure_prompt_tokens
 
@@ -119,6 +125,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, Any],
                           evaluation: bool = False) -> Sample | list[Sample]:
     """Generate ``sample`` with the run's generate function, then score it (unless ``--group-rm``)."""
+    return await on_manager_loop(_generate_and_rm(args, sample, sampling_params, evaluation))
+
+
+async def _generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, Any],
+                           evaluation: bool) -> Sample | list[Sample]:
     from rollout_manager.rollout import generate_sample
 
     ctx = current_context()
@@ -135,6 +146,11 @@ async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params:
                                 evaluation: bool = False) -> list[Sample] | list[list[Sample]]:
     """Generate and score one group (the group reward with ``--group-rm``); a fan-out sample's
     entry is its list of samples, as in slime."""
+    return await on_manager_loop(_generate_and_rm_group(args, group, sampling_params, evaluation))
+
+
+async def _generate_and_rm_group(args: Any, group: list[Sample], sampling_params: dict[str, Any],
+                                 evaluation: bool) -> list[Sample] | list[list[Sample]]:
     import uuid
 
     ctx = current_context()
@@ -148,7 +164,7 @@ async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params:
     if getattr(args, "sglang_enable_deterministic_inference", False):
         for p, seed in zip(params, state.group_sampling_seeds):
             p["sampling_seed"] = seed
-    out = list(await asyncio.gather(*(generate_and_rm(args, s, p, evaluation) for s, p in zip(group, params))))
+    out = list(await asyncio.gather(*(_generate_and_rm(args, s, p, evaluation) for s, p in zip(group, params))))
     flat = [x for o in out for x in (o if isinstance(o, list) else [o])]
     if not state.aborted and ctx.rewarder.group_rm and all(
             x.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED) for x in flat):
@@ -159,6 +175,10 @@ async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params:
 async def abort(args: Any, rollout_id: int) -> list[list[Sample]]:
     """Abort every request on the engines and wait for ``GenerateState.pendings``; with
     ``--partial-rollout`` the unfinished groups are returned (to give back to the data source)."""
+    return await on_manager_loop(_abort(args, rollout_id))
+
+
+async def _abort(args: Any, rollout_id: int) -> list[list[Sample]]:
     from rollout_manager.rollout import abort_requests
 
     ctx = current_context()

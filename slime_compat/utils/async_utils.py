@@ -4,7 +4,9 @@ slime runs its rollout coroutines on one background loop; a blocking rollout fun
 ``run(generate_rollout_async(...))``. Reservoir calls blocking rollout functions from a worker
 thread, so ``run`` hands the coroutine to the manager's loop (where the router client, the
 concurrency limit and the engines' state live) with the rollout context and step attached, and
-waits for it. Outside a rollout (a script of your own), it runs the coroutine with ``asyncio.run``.
+waits for it (``plugin_api.call_on_manager_loop``); from a thread of the plugin's own it does the
+same, as work of no rollout step. Outside a rollout (a script of your own, no rollout manager in
+the process), it runs the coroutine with ``asyncio.run``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Coroutine
 
-from rollout_manager.plugin_api import current_context, current_step, set_context, set_step
+from rollout_manager.plugin_api import call_on_manager_loop, current_context
 
 
 def run(coro: Coroutine) -> Any:
-    ctx, step = current_context(None), current_step(None)
+    """Run ``coro`` to its end on the rollout manager's loop and return its result (blocking)."""
+    ctx = current_context(None)
     if ctx is None:
         return asyncio.run(coro)
     try:
@@ -27,10 +30,4 @@ def run(coro: Coroutine) -> Any:
         coro.close()
         raise RuntimeError("slime.utils.async_utils.run blocks: it was called on the rollout manager's event "
                            "loop (from async code, await the coroutine instead)")
-
-    async def with_context() -> Any:
-        set_context(ctx)
-        if step is not None:
-            set_step(step)
-        return await coro
-    return asyncio.run_coroutine_threadsafe(with_context(), ctx.loop).result()
+    return call_on_manager_loop(coro)

@@ -10,6 +10,8 @@ custom generate that never records it still produces samples tagged with the pol
 
 The concurrency limit (``--sglang-server-concurrency`` x engines) is held by the rollout around
 each custom generate call, as slime's ``generate_and_rm`` does: ``post`` itself does not take it.
+From a thread or event loop of a plugin's own, the request is sent from the rollout manager's loop
+(``plugin_api.on_manager_loop``), with its client, while the caller's loop waits.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from rollout_manager.plugin_api import current_context, note_engine_call, note_weight_versions, on_shutdown
+from rollout_manager.plugin_api import (current_context, note_engine_call, note_weight_versions, on_manager_loop,
+                                        on_shutdown)
 
 log = logging.getLogger(__name__)
 _clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (a client is bound to its loop)
@@ -57,6 +60,12 @@ def _engine_request(url: str) -> tuple[dict[str, str], float | None]:
     return ({"Authorization": f"Bearer {key}"} if key else {}), ctx.settings.sampling.request_timeout
 
 
+def _off_the_managers_loop() -> bool:
+    """Inside a rollout manager's process, but on another event loop (a plugin's own)."""
+    ctx = current_context(None)
+    return ctx is not None and asyncio.get_running_loop() is not ctx.loop
+
+
 def _retryable(e: Exception) -> bool:
     if isinstance(e, httpx.HTTPStatusError):
         return e.response.status_code >= 500 or e.response.status_code == 429
@@ -65,6 +74,8 @@ def _retryable(e: Exception) -> bool:
 
 async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
     """POST ``payload`` as JSON to ``url``; the decoded JSON answer (or its text). See the module doc."""
+    if _off_the_managers_loop():
+        return await on_manager_loop(post(url, payload, max_retries, headers))
     extra, timeout = _engine_request(url)
     attempt = 0
     while True:
@@ -91,6 +102,8 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
 
 async def get(url: str) -> Any:
     """GET ``url``; the decoded JSON answer."""
+    if _off_the_managers_loop():
+        return await on_manager_loop(get(url))
     extra, timeout = _engine_request(url)
     resp = await _client().get(url, headers=extra, timeout=timeout)
     resp.raise_for_status()
