@@ -21,6 +21,7 @@ import copy
 import inspect
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from typing import Any, Callable
 from buffer.retry import call_buffer_async
 from buffer.sample import Sample
 from flags import flag_of
+from metric_keys import ROLLOUT_BUFFER_CALLS_TIME, ROLLOUT_PUSH_TIME
 from plugins.loader import load_function
 from plugins.slime_args import fill_slime_args
 from rollout_manager.data_source import DataReport, DataSource, load_prompts
@@ -340,9 +342,11 @@ class RolloutManager:
 
     async def push(self, rollout_id: int, buffer_handle: Any) -> dict[str, float]:
         """Generate one step and put it into the buffer (its back-pressure makes this wait)."""
+        t0 = time.perf_counter()
         # retried across a buffer restart; the request id makes a retry get the same groups
         returned = await call_buffer_async(buffer_handle, "take_returned", self.settings.sampling.rollout_batch_size,
                                            request_id=f"rollout-{rollout_id}")
+        buffer_s = time.perf_counter() - t0
         if returned:  # stale groups the buffer gave back: regenerate them under the current weights
             for g in returned:
                 for s in g:
@@ -358,8 +362,12 @@ class RolloutManager:
             groups = [g for g in groups if all(s.weight_versions for s in g)]
         metrics["rollout/groups_not_pushed"] = float(len(unversioned))
         # the same put id on a retry across a buffer restart: the buffer stores it once
+        t_put = time.perf_counter()
         await call_buffer_async(buffer_handle, "put", groups, put_id=f"rollout-{rollout_id}")
+        t1 = time.perf_counter()
         metrics["rollout/returned_stale_groups"] = float(len(returned or []))
+        metrics[ROLLOUT_BUFFER_CALLS_TIME.key] = buffer_s + t1 - t_put  # (the put's includes its back-pressure wait)
+        metrics[ROLLOUT_PUSH_TIME.key] = t1 - t0
         return metrics
 
     # --- weight updates ------------------------------------------------------------------

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from flags import flag, flag_of
+from metric_keys import WEIGHT_GATHER_TIME, WEIGHT_PUSH_RANK_TIME
 from train_backend.interfaces import TrainSettings, create_backend
 from train_backend.megatron.arguments import MegatronSettings
 
@@ -269,12 +270,15 @@ class TrainerRank:
         """Gather the full weights (collective on every rank); rank 0 pushes them to the engines
         (``progress``: ``WeightSender.push``'s). Gathered completely before the push starts, so a
         failing push never leaves the other ranks waiting in the middle of the gather."""
+        t0 = time.perf_counter()
         named = list(self.backend.named_hf_weights())
+        gathered = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.rank == 0:
             if self.sender is None:
                 raise RuntimeError("push_weights: connect_weight_sync was not called")
             metrics = self.sender.push(named, version, progress)
+            metrics.update({WEIGHT_GATHER_TIME.key: gathered - t0, WEIGHT_PUSH_RANK_TIME.key: time.perf_counter() - t0})
         del named  # the gathered copies (FSDP2, TP/PP) count in this phase, not the next
         if self.cuda:
             metrics.update(self._memory_phase("weight_sync"))
