@@ -355,12 +355,13 @@ class TrainerGroup:
 
     # --- the TrainBackend methods the launcher uses ---------------------------------------------
     def train_step(self, groups: list[list["Sample"]], step: int) -> dict[str, float]:
-        """Train every rank on one rollout batch: rank 0 gets the groups (one object in Ray's
-        store) and hands each data-parallel rank its share; returns rank 0's metrics."""
-        import ray
+        """Train every rank on one rollout batch: rank 0 gets the groups and hands each
+        data-parallel rank its share; returns rank 0's metrics.
 
-        ref = ray.put(groups)
-        return self._gather([r.train_step.remote(ref if i == 0 else None, step) for i, r in enumerate(self.ranks)],
+        The groups go with rank 0's call as an argument: Ray sends a small one inside the call
+        (no object-store round trip, as ``ray.put`` would take; only rank 0 reads them) and puts a
+        large one into its store itself."""
+        return self._gather([r.train_step.remote(groups if i == 0 else None, step) for i, r in enumerate(self.ranks)],
                             "train_step")[0]
 
     def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
@@ -428,7 +429,8 @@ class TrainerGroup:
         out: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            # the last one: its result is all that is left to wait for (no ray.wait round first)
+            done, pending = ray.wait(pending, num_returns=1) if len(pending) > 1 else (pending, [])
             try:
                 out[rank_of[done[0]]] = ray.get(done[0])
             except Exception as e:
