@@ -230,11 +230,15 @@ class BufferCore:
             self._record({"op": "version", "v": version})
             self._prune_stale()
 
-    def commit(self, step: int, covered_put_ids: list[str] | None = None) -> None:
+    def commit(self, step: int, covered_put_ids: list[str] | None = None, cover_known: bool = False) -> None:
         """Consumption by steps <= ``step`` is final (their trainer checkpoint is durable), and so
         are the groups ``take_returned`` handed out to the puts ``covered_put_ids`` (the rollouts
-        that checkpoint covers)."""
+        that checkpoint covers). ``cover_known``: they are every put id known now
+        (``known_put_ids``), as for a run without checkpoints, whose consumption is final as each
+        step ends (one call instead of reading the ids first)."""
         self._check_step(step, "commit")
+        if cover_known:
+            covered_put_ids = self.known_put_ids()
         covered = sorted(set(covered_put_ids or ()) & set(self._taken))
         if any(s <= step for s in self._leases) or covered:
             self._record({"op": "commit", "step": step, "covered": covered})

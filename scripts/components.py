@@ -277,7 +277,7 @@ class Run:
         buffer, and with --buffer-dir in its segments, for the whole run)."""
         if not self.s.save:
             if self.buffer is not None:
-                call_buffer(self.buffer, "commit", step, covered_put_ids=call_buffer(self.buffer, "known_put_ids"))
+                call_buffer(self.buffer, "commit", step, cover_known=True)
             return
         if not self.s.save_interval or (step + 1) % self.s.save_interval and step + 1 != self.s.num_rollout:
             return

@@ -272,3 +272,21 @@ def test_a_repeated_get_for_a_step_returns_that_steps_batch():
         c.try_get(3, step=7)
     c.rewind(6)
     assert ids(c.try_get(2, step=7)) == [0, 1]
+
+
+def test_commit_cover_known_covers_exactly_the_known_puts():
+    """``commit(step, cover_known=True)`` (the driver without --save, one call) covers what
+    ``commit(step, covered_put_ids=known_put_ids())`` covers: the takes of stored puts, not of a
+    put that never came."""
+    for one_call in (False, True):
+        c = core(max_weight_staleness=0, stale_policy="return")
+        c.put([make_group(0, version=0), make_group(1, version=0)])
+        c.set_version(1)  # both stale: returned
+        assert len(c.take_returned(1, request_id="rollout-1")) == 1
+        assert len(c.take_returned(1, request_id="rollout-2")) == 1
+        c.put([make_group(2, version=1)], put_id="rollout-1")  # rollout-2's put never came
+        if one_call:
+            c.commit(0, cover_known=True)
+        else:
+            c.commit(0, covered_put_ids=c.known_put_ids())
+        assert c.as_metrics()["taken_uncovered_groups"] == 1, one_call
