@@ -225,9 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not (MODEL / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_toy_model.py"), "--out", str(MODEL)], check=True)
     tmp = Path(tempfile.mkdtemp(prefix="step_overhead_"))
-    trees = {"head": ROOT}
+    # this tree as it is now (uncommitted changes included), fixed for the whole invocation
+    head = subprocess.run(["git", "-C", str(ROOT), "stash", "create"], capture_output=True, text=True).stdout.strip()
+    trees = {"head": _tree_of(head or "HEAD", tmp / "head_tree")}
     if a.baseline:
-        trees = {"baseline": _tree_of(a.baseline, tmp / "baseline_tree"), "head": ROOT}
+        trees = {"baseline": _tree_of(a.baseline, tmp / "baseline_tree"), **trees}
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
     for i in range(a.repeats):
         for name, tree in trees.items():
