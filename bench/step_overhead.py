@@ -14,7 +14,8 @@ alternation with this one (same model, same prompts, same machine), so before/af
 within one invocation. ``--profile`` adds a cProfile of the driver's steps (the top functions).
 
 Per run: the median over the steps after ``--warmup`` of each part; over runs: the median, and
-the min and max as the spread. Writes ``bench/results/step_overhead.json``.
+the min and max as the spread. Writes ``bench/results/step_overhead.json`` (``ratio``: the
+baseline's median step time / this tree's).
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\n== {t} (median [min, max] over {a.repeats} runs)")
         for k, v in parts.items():
             print(f"  {k:55s} {v['median']:9.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
-    doc = {"benchmark": "step_overhead", "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
+    doc = {"name": "step_overhead", "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
            "machine": f"{platform.node() and 'vm'} {os.cpu_count()} cores, {platform.machine()}",
            "command": "python bench/step_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "config": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "baseline": a.baseline},
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
         saved = {k: result["baseline"][k]["median"] - result["head"][k]["median"]
                  for k in result["head"] if k in result["baseline"] and k.startswith(("step_ms/", "startup/"))}
         doc["saved_baseline_minus_head"] = saved
+        # ratio: the baseline's median step (log to log) / this tree's, higher is better
+        doc["ratio"] = result["baseline"]["step_ms/wall"]["median"] / result["head"]["step_ms/wall"]["median"]
         print("\n== saved (baseline - head, medians)")
         for k, v in saved.items():
             print(f"  {k:55s} {v:9.2f}")

@@ -218,6 +218,14 @@ class BufferCore:
             self._compact()
         return [e.group for e in picked]
 
+    def returns_groups(self) -> bool:
+        """Whether ``take_returned`` may hand out a group, now or later: stale groups are returned
+        (policy "return" under a bound), or returned or taken groups are held (a rewind gives taken
+        ones back), or a retried take would get its groups again. False stays False for good."""
+        s = self.settings
+        return ((s.stale_policy == "return" and s.max_weight_staleness is not None) or bool(self._returned)
+                or bool(self._taken) or any(self._takes.values()))
+
     # --- versions, commit, rewind ---------------------------------------------------------
     @property
     def version(self) -> int:

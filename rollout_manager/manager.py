@@ -165,6 +165,8 @@ class RolloutManager:
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
         self._last_rollout_id: int | None = None
+        # buffers (Ray actor ids) whose take_returned can never hand out a group (BufferCore.returns_groups)
+        self._buffers_without_returns: set[str] = set()
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -343,9 +345,16 @@ class RolloutManager:
     async def push(self, rollout_id: int, buffer_handle: Any) -> dict[str, float]:
         """Generate one step and put it into the buffer (its back-pressure makes this wait)."""
         t0 = time.perf_counter()
-        # retried across a buffer restart; the request id makes a retry get the same groups
-        returned = await call_buffer_async(buffer_handle, "take_returned", self.settings.sampling.rollout_batch_size,
-                                           request_id=f"rollout-{rollout_id}")
+        buffer_id = _actor_id(buffer_handle)
+        returned = []
+        if buffer_id is None or buffer_id not in self._buffers_without_returns:
+            # retried across a buffer restart; the request id makes a retry get the same groups
+            returned = await call_buffer_async(buffer_handle, "take_returned",
+                                               self.settings.sampling.rollout_batch_size,
+                                               request_id=f"rollout-{rollout_id}")
+            if not returned and buffer_id is not None \
+                    and not await call_buffer_async(buffer_handle, "returns_groups"):
+                self._buffers_without_returns.add(buffer_id)  # one round trip less per push from now on
         buffer_s = time.perf_counter() - t0
         if returned:  # stale groups the buffer gave back: regenerate them under the current weights
             for g in returned:
@@ -397,6 +406,12 @@ class RolloutManager:
             ds.load_state_dict(state["data_source"])
         elif hasattr(ds, "load"):
             ds.load(state.get("data_source_rollout_id"))
+
+
+def _actor_id(handle: Any) -> str | None:
+    """A Ray actor handle's actor id (the same for every copy of the handle); None for another object."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if hasattr(actor_id, "hex") else None
 
 
 def _length(ds: Any) -> int:

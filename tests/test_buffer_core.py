@@ -290,3 +290,20 @@ def test_commit_cover_known_covers_exactly_the_known_puts():
         else:
             c.commit(0, covered_put_ids=c.known_put_ids())
         assert c.as_metrics()["taken_uncovered_groups"] == 1, one_call
+
+
+def test_returns_groups_says_whether_take_returned_can_ever_hand_out_one():
+    """The rollout manager stops calling take_returned once a buffer answers False: False must
+    hold for good, True wherever a group could come back."""
+    assert not core().returns_groups()  # no bound: nothing is ever stale
+    assert not core(max_weight_staleness=1, stale_policy="drop").returns_groups()
+    c = core(max_weight_staleness=0, stale_policy="return")
+    assert c.returns_groups()
+    c.put([make_group(0, version=0)])
+    c.set_version(1)
+    assert len(c.take_returned(1, request_id="rollout-1")) == 1
+    c.settings = BufferSettings(max_weight_staleness=0, stale_policy="drop")  # e.g. a journal of another run
+    assert c.returns_groups()  # taken, not covered: a rewind gives it back
+    c.put([make_group(1, version=1)], put_id="rollout-1")
+    c.commit(0, cover_known=True)
+    assert c.returns_groups()  # a retried take of rollout-1 would get its group again
