@@ -253,14 +253,17 @@ def main(argv: list[str] | None = None) -> dict:
            "config": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "baseline": a.baseline},
            "metrics": result}
     if "baseline" in result:
-        saved = {k: result["baseline"][k]["median"] - result["head"][k]["median"]
-                 for k in result["head"] if k in result["baseline"] and k.startswith(("step_ms/", "startup/"))}
+        # paired: run i of the baseline and run i of this tree ran back to back (the load of a
+        # shared machine drifts over minutes): the median of the pairs' differences, and the spread
+        pairs = list(zip(runs["baseline"], runs["head"]))
+        keys = [k for k in result["head"] if k in result["baseline"] and k.startswith(("step_ms/", "startup/", "metric_ms/"))]
+        saved = {k: _spread([{k: b[k] - h[k]} for b, h in pairs if k in b and k in h])[k] for k in keys}
         doc["saved_baseline_minus_head"] = saved
         # ratio: the baseline's median step (log to log) / this tree's, higher is better
         doc["ratio"] = result["baseline"]["step_ms/wall"]["median"] / result["head"]["step_ms/wall"]["median"]
-        print("\n== saved (baseline - head, medians)")
+        print("\n== saved (baseline - head: median [min, max] of the pairs' differences)")
         for k, v in saved.items():
-            print(f"  {k:55s} {v:9.2f}")
+            print(f"  {k:55s} {v['median']:9.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     return doc
