@@ -11,7 +11,9 @@ the parts inside the actors come from the step's metrics (``metric_keys.STEP_BRE
 what a part's driver span spends outside its actor (the Ray call, the pickling of the batch) is
 the span minus the actor's own time. ``--baseline REV`` runs ``git archive REV``'s tree in
 alternation with this one (same model, same prompts, same machine), so before/after are compared
-within one invocation. ``--profile`` adds a cProfile of the driver's steps (the top functions).
+within one invocation; ``--variant NAME=FLAGS`` adds runs of this tree with extra launcher flags
+(``direct=--rollout-dispatch direct``: the router hop's cost). ``--profile`` adds a cProfile of the
+driver's steps (the top functions).
 
 Per run: the median over the steps after ``--warmup`` of each part; over runs: the median, and
 the min and max as the spread. Writes ``bench/results/step_overhead.json`` (``ratio``: the
@@ -24,6 +26,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 import platform
 import statistics
 import subprocess
@@ -51,7 +54,7 @@ OUTSIDE = (("rollout_call_outside_manager", "generate", "perf/rollout_push_time"
 
 
 # --- the child: one run, spans recorded -------------------------------------------------------
-def _child(out: Path, steps: int, work: Path, profile: bool) -> None:
+def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -> None:
     t_spawn = float(os.environ["STEP_OVERHEAD_SPAWN"])
     t_main = time.time()
     tree = Path.cwd()
@@ -112,7 +115,7 @@ def _child(out: Path, steps: int, work: Path, profile: bool) -> None:
     argv = ["--config", str(tree / "examples/toy/grpo_cpu.yaml"), "--output-dir", str(work / "run"),
             "--hf-checkpoint", str(MODEL), "--prompt-data", str(MODEL / "data/train.jsonl"),
             "--eval-prompt-data", str(MODEL / "data/eval.jsonl"), "--num-rollout", str(steps),
-            "--eval-interval", str(10 ** 6), "--skip-eval-before-train", "--no-plots"]
+            "--eval-interval", str(10 ** 6), "--skip-eval-before-train", "--no-plots", *extra]
     try:
         train.main(argv)
     finally:
@@ -139,13 +142,13 @@ def _tree_of(rev: str, into: Path) -> Path:
     return into
 
 
-def _run_once(tree: Path, steps: int, work: Path, profile: bool) -> dict:
+def _run_once(tree: Path, steps: int, work: Path, profile: bool, extra: list[str]) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "child.json"
     env = dict(os.environ, PYTHONPATH=str(tree), STEP_OVERHEAD_SPAWN=repr(time.time()), RAY_AUTH_MODE="disabled",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--steps", str(steps),
-           "--work", str(work)] + (["--profile"] if profile else [])
+           "--work", str(work)] + (["--profile"] if profile else []) + [f"--extra={shlex.join(extra)}"]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"run in {tree} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -216,26 +219,33 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="runs per tree (interleaved with the baseline's)")
     p.add_argument("--baseline", default=None, help="a git revision to run alternately with this tree")
     p.add_argument("--profile", action="store_true", help="cProfile the driver's steps (top functions to stdout)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run this tree with extra launcher flags, interleaved (e.g. 'direct=--rollout-dispatch direct')")
+    p.add_argument("--extra", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(RESULT))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        _child(Path(a.child), a.steps, Path(a.work), a.profile)
+        _child(Path(a.child), a.steps, Path(a.work), a.profile, shlex.split(a.extra))
         return {}
     if not (MODEL / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_toy_model.py"), "--out", str(MODEL)], check=True)
     tmp = Path(tempfile.mkdtemp(prefix="step_overhead_"))
     # this tree as it is now (uncommitted changes included), fixed for the whole invocation
     head = subprocess.run(["git", "-C", str(ROOT), "stash", "create"], capture_output=True, text=True).stdout.strip()
-    trees = {"head": _tree_of(head or "HEAD", tmp / "head_tree")}
+    head_tree = _tree_of(head or "HEAD", tmp / "head_tree")
+    trees = {"head": (head_tree, [])}
     if a.baseline:
-        trees = {"baseline": _tree_of(a.baseline, tmp / "baseline_tree"), **trees}
+        trees = {"baseline": (_tree_of(a.baseline, tmp / "baseline_tree"), []), **trees}
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        trees[name] = (head_tree, shlex.split(flags))
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
     for i in range(a.repeats):
-        for name, tree in trees.items():
+        for name, (tree, extra) in trees.items():
             work = tmp / f"{name}_{i}"
-            child = _run_once(tree, a.steps, work, a.profile)
+            child = _run_once(tree, a.steps, work, a.profile, extra)
             runs[name].append(summarize(child, a.warmup))
             r = runs[name][-1]
             print(f"[{name} {i}] step {r['step_ms/step']:.1f} ms, start-up {r['startup/total_to_loop_s']:.1f} s",
@@ -250,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"name": "step_overhead", "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M"),
            "machine": f"{platform.node() and 'vm'} {os.cpu_count()} cores, {platform.machine()}",
            "command": "python bench/step_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "config": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "baseline": a.baseline},
+           "config": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "baseline": a.baseline,
+                      "variants": a.variant},
            "metrics": result}
     if "baseline" in result:
         # paired: run i of the baseline and run i of this tree ran back to back (the load of a
