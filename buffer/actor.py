@@ -137,11 +137,18 @@ class BufferActor:
         async with self._cond:
             return self._core.take_returned(max_groups, request_id)
 
-    async def commit(self, step: int, covered_put_ids: list[str] | None = None) -> None:
-        """The trainer's checkpoint of ``step`` is durable: consumption by steps <= step is final,
-        and so are the returned groups taken by the puts it covers (``BufferCore.commit``)."""
+    async def returns_groups(self) -> bool:
+        """Whether ``take_returned`` may ever hand out a group (``BufferCore.returns_groups``):
+        a producer that hears False once calls it no more."""
         async with self._cond:
-            self._core.commit(step, covered_put_ids)
+            return self._core.returns_groups()
+
+    async def commit(self, step: int, covered_put_ids: list[str] | None = None, cover_known: bool = False) -> None:
+        """The trainer's checkpoint of ``step`` is durable: consumption by steps <= step is final,
+        and so are the returned groups taken by the puts it covers (``BufferCore.commit``;
+        ``cover_known``: every put id it knows)."""
+        async with self._cond:
+            self._core.commit(step, covered_put_ids, cover_known)
 
     async def rewind(self, step: int, weight_version: int | None = None,
                      forget_put_ids: list[str] | None = None) -> int:

@@ -218,6 +218,14 @@ class BufferCore:
             self._compact()
         return [e.group for e in picked]
 
+    def returns_groups(self) -> bool:
+        """Whether ``take_returned`` may hand out a group, now or later: stale groups are returned
+        (policy "return" under a bound), or returned or taken groups are held (a rewind gives taken
+        ones back), or a retried take would get its groups again. False stays False for good."""
+        s = self.settings
+        return ((s.stale_policy == "return" and s.max_weight_staleness is not None) or bool(self._returned)
+                or bool(self._taken) or any(self._takes.values()))
+
     # --- versions, commit, rewind ---------------------------------------------------------
     @property
     def version(self) -> int:
@@ -230,11 +238,15 @@ class BufferCore:
             self._record({"op": "version", "v": version})
             self._prune_stale()
 
-    def commit(self, step: int, covered_put_ids: list[str] | None = None) -> None:
+    def commit(self, step: int, covered_put_ids: list[str] | None = None, cover_known: bool = False) -> None:
         """Consumption by steps <= ``step`` is final (their trainer checkpoint is durable), and so
         are the groups ``take_returned`` handed out to the puts ``covered_put_ids`` (the rollouts
-        that checkpoint covers)."""
+        that checkpoint covers). ``cover_known``: they are every put id known now
+        (``known_put_ids``), as for a run without checkpoints, whose consumption is final as each
+        step ends (one call instead of reading the ids first)."""
         self._check_step(step, "commit")
+        if cover_known:
+            covered_put_ids = self.known_put_ids()
         covered = sorted(set(covered_put_ids or ()) & set(self._taken))
         if any(s <= step for s in self._leases) or covered:
             self._record({"op": "commit", "step": step, "covered": covered})

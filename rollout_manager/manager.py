@@ -21,6 +21,7 @@ import copy
 import inspect
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from typing import Any, Callable
 from buffer.retry import call_buffer_async
 from buffer.sample import Sample
 from flags import flag_of
+from metric_keys import ROLLOUT_BUFFER_CALLS_TIME, ROLLOUT_PUSH_TIME
 from plugins.loader import load_function, plugin_atexit_functions
 from plugins.slime_args import fill_slime_args
 from rollout_manager.data_source import DataReport, DataSource, ThreadSafeDataSource, load_prompts
@@ -172,6 +174,8 @@ class RolloutManager:
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
         self._last_rollout_id: int | None = None
+        # buffers (Ray actor ids) whose take_returned can never hand out a group (BufferCore.returns_groups)
+        self._buffers_without_returns: set[str] = set()
 
     def _conversations(self, settings: RolloutSettings) -> Callable | None:
         """Under the SFT rollout (``rollout_manager/sft.py``) the prompt rows are whole
@@ -415,9 +419,18 @@ class RolloutManager:
 
     async def push(self, rollout_id: int, buffer_handle: Any) -> dict[str, float]:
         """Generate one step and put it into the buffer (its back-pressure makes this wait)."""
-        # retried across a buffer restart; the request id makes a retry get the same groups
-        returned = await call_buffer_async(buffer_handle, "take_returned", self.settings.sampling.rollout_batch_size,
-                                           request_id=f"rollout-{rollout_id}")
+        t0 = time.perf_counter()
+        buffer_id = _actor_id(buffer_handle)
+        returned = []
+        if buffer_id is None or buffer_id not in self._buffers_without_returns:
+            # retried across a buffer restart; the request id makes a retry get the same groups
+            returned = await call_buffer_async(buffer_handle, "take_returned",
+                                               self.settings.sampling.rollout_batch_size,
+                                               request_id=f"rollout-{rollout_id}")
+            if not returned and buffer_id is not None \
+                    and not await call_buffer_async(buffer_handle, "returns_groups"):
+                self._buffers_without_returns.add(buffer_id)  # one round trip less per push from now on
+        buffer_s = time.perf_counter() - t0
         if returned:  # stale groups the buffer gave back: regenerate them under the current weights
             for g in returned:
                 for s in g:
@@ -433,8 +446,12 @@ class RolloutManager:
             groups = [g for g in groups if all(s.weight_versions for s in g)]
         metrics["rollout/groups_not_pushed"] = float(len(unversioned))
         # the same put id on a retry across a buffer restart: the buffer stores it once
+        t_put = time.perf_counter()
         await call_buffer_async(buffer_handle, "put", groups, put_id=f"rollout-{rollout_id}")
+        t1 = time.perf_counter()
         metrics["rollout/returned_stale_groups"] = float(len(returned or []))
+        metrics[ROLLOUT_BUFFER_CALLS_TIME.key] = buffer_s + t1 - t_put  # (the put's includes its back-pressure wait)
+        metrics[ROLLOUT_PUSH_TIME.key] = t1 - t0
         return metrics
 
     # --- weight updates ------------------------------------------------------------------
@@ -509,6 +526,12 @@ def _run_all(fns: list[Callable[[], Any]]) -> None:
         except Exception:  # noqa: BLE001 - one plugin's cleanup must not skip the others'
             log.exception("plugin atexit function %s.%s failed", getattr(fn, "__module__", "?"),
                           getattr(fn, "__qualname__", repr(fn)))
+
+
+def _actor_id(handle: Any) -> str | None:
+    """A Ray actor handle's actor id (the same for every copy of the handle); None for another object."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if hasattr(actor_id, "hex") else None
 
 
 def _length(ds: Any) -> int:

@@ -112,10 +112,12 @@ async def call_plugin(fn: Callable, *args: Any, timeout: float | None, what: str
         ctx = contextvars.copy_context()  # the rollout context travels to the thread
         pending = _THREADS.submit(lambda: ctx.run(fn, *args, **kwargs))
     while True:
-        left = None if deadline is None else max(0.0, deadline - loop.time())
         try:
-            out = await asyncio.wait_for(pending, left)
-        except asyncio.TimeoutError:
+            # asyncio.timeout runs a coroutine in this task: wait_for would wrap it in a task of
+            # its own, one per reward, hook or filter call (a cost the sample's reward is not)
+            async with asyncio.timeout_at(deadline):
+                out = await pending
+        except TimeoutError:
             if _THREADS.busy >= _WORKERS:
                 log.warning("all %d plugin threads are held by calls that did not return", _WORKERS)
             raise PluginTimeout(f"{what} did not return within {timeout:g} s") from None

@@ -46,8 +46,17 @@ log = logging.getLogger(__name__)
 # local user: the key goes in the environment and this launcher adds it to the router's own argv
 # (what /proc/<pid>/cmdline shows is the command below, without it).
 _KEY_ENV = "RESERVOIR_ROUTER_CONTROL_PLANE_KEY"
-_LAUNCH_WITH_KEY = ("import os, sys; from sglang_router.launch_router import main; "
-                    f"sys.argv += ['--control-plane-api-keys', os.environ.pop('{_KEY_ENV}')]; main()")
+# launch_router imports mini_lb, its Python debugging balancer (used only with --mini-lb), which
+# imports FastAPI, uvicorn and, where SGLang is installed, SGLang: seconds of every run's start-up,
+# before the engines can register. Without --mini-lb an empty module stands in for it.
+_LAUNCH_WITH_KEY = "\n".join((
+    "import os, sys, types",
+    "if not any(a.startswith('--mini') for a in sys.argv):",
+    "    sys.modules['sglang_router.mini_lb'] = types.ModuleType('sglang_router.mini_lb')",
+    "    sys.modules['sglang_router.mini_lb'].MiniLoadBalancer = None",
+    "from sglang_router.launch_router import main",
+    f"sys.argv += ['--control-plane-api-keys', os.environ.pop('{_KEY_ENV}')]",
+    "main()"))
 
 
 class Router:

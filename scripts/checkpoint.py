@@ -43,7 +43,7 @@ def commit_without_checkpoint(buffer: Any, step: int) -> None:
     """A run without ``--save`` can never go back to an earlier step, so its consumption is final
     as each step ends (else every batch would stay leased in the buffer, and with --buffer-dir in
     its segments, for the whole run)."""
-    call_buffer(buffer, "commit", step, covered_put_ids=call_buffer(buffer, "known_put_ids"))
+    call_buffer(buffer, "commit", step, cover_known=True)  # one buffer call, not known_put_ids + commit
 
 
 def save(save_dir: str, step: int, *, trainer: Any, buffer: Any, rollout: Any, producer: Any,

@@ -29,7 +29,8 @@ from scripts.metrics_log import MetricsLogger, duration, eval_line, missing_plot
 from scripts.producer import AsyncProducer
 
 from buffer.retry import call_buffer
-from metric_keys import EVAL_ACCURACY, ROLLOUT_REWARD_MEAN, ROLLOUT_TIME, STEP_TIME, TRAIN_TIME, WEIGHT_SYNC_TIME
+from metric_keys import (EVAL_ACCURACY, ROLLOUT_REWARD_MEAN, ROLLOUT_TIME, STEP_TIME, TRAIN_TIME, WEIGHT_SYNC_TIME,
+                         step_breakdown)
 
 _GET_POLL_S = 10.0  # async mode: how long one buffer wait lasts before the producer is checked
 
@@ -319,6 +320,7 @@ class Run:
         self._pending[STEP_TIME.key] = step_time
         if self._producer is not None:  # the producer's rollouts finished since the last step
             self._pending.update(_mean_metrics(self._producer.drain_metrics()))
+        self._pending.update(step_breakdown(self._pending))  # each Ray call's time outside its part
         if self.buffer is not None:
             m = call_buffer(self.buffer, "metrics")
             self._pending.update({f"buffer/{k}": v for k, v in m.items() if isinstance(v, (int, float))})

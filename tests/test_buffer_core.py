@@ -272,3 +272,38 @@ def test_a_repeated_get_for_a_step_returns_that_steps_batch():
         c.try_get(3, step=7)
     c.rewind(6)
     assert ids(c.try_get(2, step=7)) == [0, 1]
+
+
+def test_commit_cover_known_covers_exactly_the_known_puts():
+    """``commit(step, cover_known=True)`` (the driver without --save, one call) covers what
+    ``commit(step, covered_put_ids=known_put_ids())`` covers: the takes of stored puts, not of a
+    put that never came."""
+    for one_call in (False, True):
+        c = core(max_weight_staleness=0, stale_policy="return")
+        c.put([make_group(0, version=0), make_group(1, version=0)])
+        c.set_version(1)  # both stale: returned
+        assert len(c.take_returned(1, request_id="rollout-1")) == 1
+        assert len(c.take_returned(1, request_id="rollout-2")) == 1
+        c.put([make_group(2, version=1)], put_id="rollout-1")  # rollout-2's put never came
+        if one_call:
+            c.commit(0, cover_known=True)
+        else:
+            c.commit(0, covered_put_ids=c.known_put_ids())
+        assert c.as_metrics()["taken_uncovered_groups"] == 1, one_call
+
+
+def test_returns_groups_says_whether_take_returned_can_ever_hand_out_one():
+    """The rollout manager stops calling take_returned once a buffer answers False: False must
+    hold for good, True wherever a group could come back."""
+    assert not core().returns_groups()  # no bound: nothing is ever stale
+    assert not core(max_weight_staleness=1, stale_policy="drop").returns_groups()
+    c = core(max_weight_staleness=0, stale_policy="return")
+    assert c.returns_groups()
+    c.put([make_group(0, version=0)])
+    c.set_version(1)
+    assert len(c.take_returned(1, request_id="rollout-1")) == 1
+    c.settings = BufferSettings(max_weight_staleness=0, stale_policy="drop")  # e.g. a journal of another run
+    assert c.returns_groups()  # taken, not covered: a rewind gives it back
+    c.put([make_group(1, version=1)], put_id="rollout-1")
+    c.commit(0, cover_known=True)
+    assert c.returns_groups()  # a retried take of rollout-1 would get its group again

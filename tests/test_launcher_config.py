@@ -106,3 +106,16 @@ def test_resume_truncates_metrics_and_purges_tensorboard_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
+def test_step_breakdown_derives_each_calls_time_outside_its_part():
+    """metric_keys.step_breakdown: the driver's time of a part minus the part's own, and only
+    where both are in the record (async mode's steps have no rollout call)."""
+    from metric_keys import step_breakdown
+
+    step = {"perf/rollout_time": 0.05, "perf/rollout_push_time": 0.04, "perf/rollout_buffer_calls_time": 0.006,
+            "rollout/time_s": 0.03, "perf/train_time": 0.05, "train/step_time_s": 0.045,
+            "perf/weight_sync_time": 0.013}  # no perf/weight_push_rank_time: no weight_sync call time
+    got = step_breakdown(step)
+    assert got == pytest.approx({"perf/rollout_call_time": 0.01, "perf/train_call_time": 0.005,
+                                 "perf/rollout_manager_rest_time": 0.004})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,17 @@ def test_router_cpu_time_and_quiet_log(toy_model_dir, tmp_path, log_level):
         assert text.count("/generate") < n // 10, text[-2000:]
     else:
         assert text.count("/generate") >= n, text[-2000:]
+
+
+@pytest.mark.parametrize("mini_lb", [False, True])
+def test_the_launcher_imports_the_python_balancer_only_for_mini_lb(mini_lb):
+    """sglang-router's launch_router imports its Python debugging balancer (FastAPI, uvicorn, and
+    SGLang where installed: seconds of start-up); the launch command leaves it out unless asked."""
+    from rollout_manager.router import _KEY_ENV, _LAUNCH_WITH_KEY
+
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", _LAUNCH_WITH_KEY, "--help"]
+                         + (["--mini-lb"] if mini_lb else []), env={**os.environ, _KEY_ENV: "k"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--policy" in out.stdout  # its own --help: the launcher ran
+    assert (" fastapi" in out.stderr) == mini_lb

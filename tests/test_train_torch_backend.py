@@ -9,6 +9,8 @@ import torch
 
 from _fixtures_train import hf_log_probs, make_groups, settings, weights
 from buffer.sample import Status
+from metric_keys import (TRAIN_BATCHING_TIME, TRAIN_FORWARD_BACKWARD_TIME, TRAIN_LOG_PROB_TIME, TRAIN_OPTIMIZER_TIME,
+                         TRAIN_STATS_TIME)
 from train_backend import TrainBackend, create_backend
 from train_backend.torch_backend import TorchBackend
 
@@ -84,6 +86,12 @@ def test_global_batch_size_gives_several_optimizer_steps(toy_model_dir, groups):
     assert m["train/optimizer_steps"] == 4 and b.optimizer_steps == 4
     # later steps see a policy that moved since the rollout: old and current log-probs differ
     assert m["train/ppo_kl"] != 0 and m["train/pg_clipfrac"] > 0
+    # the step's time split (metric_keys): every phase ran (old log-probs: several optimizer
+    # steps), and the phases add up to the step's time, less what follows the last phase
+    phases = [TRAIN_BATCHING_TIME, TRAIN_LOG_PROB_TIME, TRAIN_FORWARD_BACKWARD_TIME, TRAIN_OPTIMIZER_TIME,
+              TRAIN_STATS_TIME]
+    assert all(m[p.key] > 0 for p in phases), {p.key: m.get(p.key) for p in phases}
+    assert 0.5 * m["train/step_time_s"] <= sum(m[p.key] for p in phases) <= m["train/step_time_s"]
 
 
 def test_kl_loss_against_the_frozen_reference(toy_model_dir, groups):

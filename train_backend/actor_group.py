@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from flags import flag, flag_of
+from metric_keys import WEIGHT_GATHER_TIME, WEIGHT_PUSH_RANK_TIME
 from train_backend.interfaces import TrainSettings, create_backend
 from train_backend.megatron.arguments import MegatronSettings
 
@@ -274,12 +275,15 @@ class TrainerRank:
         """Gather the full weights (collective on every rank); rank 0 pushes them to the engines
         (``progress``: ``WeightSender.push``'s). Gathered completely before the push starts, so a
         failing push never leaves the other ranks waiting in the middle of the gather."""
+        t0 = time.perf_counter()
         named = list(self.backend.named_hf_weights())
+        gathered = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.rank == 0:
             if self.sender is None:
                 raise RuntimeError("push_weights: connect_weight_sync was not called")
             metrics = self.sender.push(named, version, progress)
+            metrics.update({WEIGHT_GATHER_TIME.key: gathered - t0, WEIGHT_PUSH_RANK_TIME.key: time.perf_counter() - t0})
         del named  # the gathered copies (FSDP2, TP/PP) count in this phase, not the next
         if self.cuda:
             metrics.update(self._memory_phase("weight_sync"))
@@ -356,12 +360,13 @@ class TrainerGroup:
 
     # --- the TrainBackend methods the launcher uses ---------------------------------------------
     def train_step(self, groups: list[list["Sample"]], step: int) -> dict[str, float]:
-        """Train every rank on one rollout batch: rank 0 gets the groups (one object in Ray's
-        store) and hands each data-parallel rank its share; returns rank 0's metrics."""
-        import ray
+        """Train every rank on one rollout batch: rank 0 gets the groups and hands each
+        data-parallel rank its share; returns rank 0's metrics.
 
-        ref = ray.put(groups)
-        return self._gather([r.train_step.remote(ref if i == 0 else None, step) for i, r in enumerate(self.ranks)],
+        The groups go with rank 0's call as an argument: Ray sends a small one inside the call
+        (no object-store round trip, as ``ray.put`` would take; only rank 0 reads them) and puts a
+        large one into its store itself."""
+        return self._gather([r.train_step.remote(groups if i == 0 else None, step) for i, r in enumerate(self.ranks)],
                             "train_step")[0]
 
     def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
@@ -429,7 +434,8 @@ class TrainerGroup:
         out: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            # the last one: its result is all that is left to wait for (no ray.wait round first)
+            done, pending = ray.wait(pending, num_returns=1) if len(pending) > 1 else (pending, [])
             try:
                 out[rank_of[done[0]]] = ray.get(done[0])
             except Exception as e:

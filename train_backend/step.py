@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from buffer.sample import Sample
-from metric_keys import TRAIN_REWARD_MEAN, TRAIN_TOKENS_PER_S
+from metric_keys import (TRAIN_BATCHING_TIME, TRAIN_FORWARD_BACKWARD_TIME, TRAIN_LOG_PROB_TIME, TRAIN_OPTIMIZER_TIME,
+                         TRAIN_REWARD_MEAN, TRAIN_STATS_TIME, TRAIN_TOKENS_PER_S)
 from train_backend.batching import PackedMicroBatch, RolloutBatch, balance, begin_train_step
 from train_backend.hooks import TrainHooks
 from train_backend.losses import (ROLLOUT_SUM_STATS, ROLLOUT_COUNT, STEP_MEAN_STATS, LossConfig, LossDenominators,
@@ -108,6 +109,9 @@ class StepStats:
     optimizer_steps: int = 0
     tokens_per_s: float = 0.0  # prompt + response tokens trained (summed over replicas) / step_time_s
     step_time_s: float = 0.0
+    # where step_time_s went, by phase (host time between the phases' ends: on an accelerator a
+    # phase's queued kernels may finish inside the next one that waits on them)
+    phase_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of_batch(cls, batch: RolloutBatch, rollout_id: int) -> "StepStats":
@@ -125,6 +129,7 @@ class StepStats:
         out.update({"train/grad_norm": self.grad_norm, "train/lr": self.lr,
                     "train/optimizer_steps": float(self.optimizer_steps), TRAIN_TOKENS_PER_S.key: self.tokens_per_s,
                     "train/step_time_s": self.step_time_s})
+        out.update(self.phase_s)
         return out
 
 
@@ -141,6 +146,7 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     if not batch.samples:
         stats.skipped_step = True
         return stats.metrics()
+    phases = _Phases(t0)
     # the samples set aside for having no loss token still count in the seq-mean losses (slime, TRL)
     denominators = count_samples_without_loss_tokens(
         start.denominators, batch.skipped["empty_response"] + batch.skipped["zero_loss_mask"])
@@ -153,6 +159,7 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
             stats.step_time_s = time.perf_counter() - t0
             return stats.metrics()
     plans = [_share(backend, batch, list(r), start.advantages) for r in start.steps]
+    phases.end(TRAIN_BATCHING_TIME.key)  # the critic's fit, with --advantage-estimator ppo, counts here
     # old_logp: the policy before this rollout's updates. With a single optimizer step the policy
     # does not change before each micro-batch's forward, so that forward's detached log-probs are
     # exactly the old ones and the extra pass is skipped.
@@ -164,12 +171,14 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     if backend.ref_model is not None:
         hooks.call_before_log_prob([backend.ref_model], "ref_")
         ref = [backend.forward_log_probs(backend.ref_model, mbs) for mbs in plans]
+    phases.end(TRAIN_LOG_PROB_TIME.key)
 
     sums = _StatSums(backend.device)
     grad_norms, lrs = [], []
     for k, (mbs, denom) in enumerate(zip(plans, denominators)):
         backend.zero_grad()
         hooks.call_before_train_step(step, k, [backend.model], backend.optimizer, backend.scheduler)
+        phases.end(TRAIN_OPTIMIZER_TIME.key)  # zero_grad and slime's hook count with the optimizer
         losses: list[Tensor] = []  # this rank's micro-batch losses of this optimizer step
 
         def loss(j: int, log_probs: LogProbsOf, logits: LogitsOf, k: int = k, denom: LossDenominators = denom,
@@ -188,7 +197,9 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
         if backend.reports_stats:
             sums.tokens += sum(backend.packed(mb).num_tokens for mb in mbs)  # fillers count 0
         _check_finite_loss(backend, losses, step, k)
+        phases.end(TRAIN_FORWARD_BACKWARD_TIME.key)
         grad_norm, lr = backend.optimizer_step()
+        phases.end(TRAIN_OPTIMIZER_TIME.key)
         if not torch.isfinite(torch.tensor(grad_norm)):
             backend.zero_grad()  # no half-accumulated step leaks into the next
             raise RuntimeError(f"train_step {step}: non-finite grad norm {grad_norm} in optimizer step {k}; "
@@ -199,12 +210,27 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     named = hooks.loss is not None or hooks.tis is not None or s.tis_function != "vanilla"
     stats.losses, tokens = sums.reduce(len(plans), with_plugins=named)
     stats.losses.update(critic_stats)
+    phases.end(TRAIN_STATS_TIME.key)
     stats.grad_norm = sum(grad_norms) / len(grad_norms)
     stats.lr = lrs[-1]
     stats.optimizer_steps = len(plans)
     stats.step_time_s = time.perf_counter() - t0
     stats.tokens_per_s = tokens / stats.step_time_s
+    stats.phase_s = phases.seconds
     return stats.metrics()
+
+
+class _Phases:
+    """Adds the time since the last ``end`` to a phase's total: the train step's time split."""
+
+    def __init__(self, t0: float) -> None:
+        self.last = t0
+        self.seconds: dict[str, float] = {}
+
+    def end(self, key: str) -> None:
+        now = time.perf_counter()
+        self.seconds[key] = self.seconds.get(key, 0.0) + now - self.last
+        self.last = now
 
 
 def receive_groups(groups: list[list[Sample]] | None) -> list[list[Sample]]:

@@ -26,6 +26,7 @@ import logging
 import time
 from typing import Awaitable, Callable, NamedTuple
 
+from metric_keys import WEIGHT_VERSION_RECORD_TIME
 from sglang_protocol.client import normalize_url
 from weight_sync._loop import LoopThread
 from weight_sync.engines import (EngineState, begin_session, call_all, check_equal, end_session, fetch_params,
@@ -113,7 +114,9 @@ class WeightSender:
         metrics["weight_sync/cast_tensors"] = float(payload.cast_tensors(specs, sent))
         self.version = version
         if self.version_sink is not None:  # the buffer's: buffer.retry.BufferVersionSink (survives its restart)
+            t0 = time.perf_counter()
             self.version_sink(version)
+            metrics[WEIGHT_VERSION_RECORD_TIME.key] = time.perf_counter() - t0
         return metrics
 
     def resync(self, engine_url: str, named_tensors: NamedTensors | None = None,
