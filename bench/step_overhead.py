@@ -58,9 +58,13 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
     t_spawn = float(os.environ["STEP_OVERHEAD_SPAWN"])
     t_main = time.time()
     tree = Path.cwd()
-    sys.path[:0] = [str(tree / "scripts"), str(tree)]
-    import train  # scripts/train.py (its imports: the launcher's arguments)
-    import components
+    sys.path.insert(0, str(tree))
+    if (tree / "scripts" / "__init__.py").is_file():
+        from scripts import components, metrics_log, train
+    else:  # a --baseline tree from before scripts/ became a package: its modules by bare name
+        import importlib
+        sys.path.insert(0, str(tree / "scripts"))
+        train, components, metrics_log = (importlib.import_module(m) for m in ("train", "components", "metrics_log"))
 
     spans: dict[str, list[float]] = {}
 
@@ -82,7 +86,6 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
         wrap(name)
     # the start-up's inner parts (imported by the methods at call time, so patched in their modules)
     import buffer
-    import metrics_log
     import rollout_manager.actor
     import train_backend.actor_group
     wrap("create_buffer", buffer, "create_buffer")
