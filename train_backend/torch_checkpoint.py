@@ -60,18 +60,28 @@ def _barrier(backend: "TorchBackend") -> None:
         dist.barrier()
 
 
+def _save_dcp(backend: "TorchBackend", model: torch.nn.Module, optimizer: Any, checkpoint_id: str) -> None:
+    """A model and its optimizer (sharded under FSDP2) as one DCP checkpoint at ``checkpoint_id``."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _single_process_ok(backend):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id, no_dist=not backend.distributed)
+
+
+def _load_dcp(backend: "TorchBackend", model: torch.nn.Module, optimizer: Any, checkpoint_id: str) -> None:
+    """Load what :func:`_save_dcp` wrote into ``model`` and ``optimizer``, in place."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _single_process_ok(backend):
+        dcp.load(state, checkpoint_id=checkpoint_id, no_dist=not backend.distributed)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def save(backend: "TorchBackend", path: str) -> None:
     """Save model, optimizer, scheduler, step counter and RNG state to directory ``path``."""
     os.makedirs(path, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    with _single_process_ok(backend):
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"),
-                 no_dist=not backend.distributed)
+    _save_dcp(backend, backend.model, backend.optimizer, os.path.join(path, "dcp"))
     if backend.critic is not None:
-        critic_sd, critic_optim_sd = get_state_dict(backend.critic.model, backend.critic.optimizer)
-        with _single_process_ok(backend):
-            dcp.save({"model": critic_sd, "optim": critic_optim_sd}, checkpoint_id=os.path.join(path, "critic_dcp"),
-                     no_dist=not backend.distributed)
+        _save_dcp(backend, backend.critic.model, backend.critic.optimizer, os.path.join(path, "critic_dcp"))
     if backend.rank == 0:
         torch.save(backend.extra_state(), os.path.join(path, "trainer_state.pt"))
     torch.save(_rng_state(), os.path.join(path, f"rng_{backend.rank}.pt"))
@@ -83,23 +93,12 @@ def load(backend: "TorchBackend", path: str) -> None:
     state_file = os.path.join(path, "trainer_state.pt")
     if not os.path.isdir(os.path.join(path, "dcp")) or not os.path.isfile(state_file):
         raise RuntimeError(f"{path} is not a torch-backend checkpoint (no dcp/ or trainer_state.pt)")
-    model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    with _single_process_ok(backend):
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=not backend.distributed)
-    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    _load_dcp(backend, backend.model, backend.optimizer, os.path.join(path, "dcp"))
     if backend.critic is not None:
-        critic = backend.critic
         if not os.path.isdir(os.path.join(path, "critic_dcp")):
             raise RuntimeError(f"{path} holds no critic (critic_dcp/): it was not saved by an --advantage-estimator "
                                "ppo run")
-        critic_sd, critic_optim_sd = get_state_dict(critic.model, critic.optimizer)
-        cstate = {"model": critic_sd, "optim": critic_optim_sd}
-        with _single_process_ok(backend):
-            dcp.load(cstate, checkpoint_id=os.path.join(path, "critic_dcp"), no_dist=not backend.distributed)
-        set_state_dict(critic.model, critic.optimizer, model_state_dict=cstate["model"],
-                       optim_state_dict=cstate["optim"])
+        _load_dcp(backend, backend.critic.model, backend.critic.optimizer, os.path.join(path, "critic_dcp"))
     backend.load_extra_state(torch.load(state_file, weights_only=False))
     rng_file = os.path.join(path, f"rng_{backend.rank}.pt")
     if os.path.isfile(rng_file):
