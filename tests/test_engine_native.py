@@ -175,7 +175,7 @@ def test_unsupported_models_take_transformers_path(models, engine_model, tmp_pat
             logits, _ = r.prefill([[5, 6, 7], [8]])
         assert (logits - _alone_last_logits(hf_model(path), [[5, 6, 7], [8]])).abs().max() <= 1e-5
     assert _runner(models["mistral"], native_forward="off").native is None  # the switch
-    with pytest.raises(ValueError, match="--native-forward"):
+    with pytest.raises(ValueError, match="native_forward"):  # built in code: the field (the flag on the command line)
         EngineSettings(model_path=str(gpt2), native_forward="on")
 
 
