@@ -304,9 +304,12 @@ async def _handed_over(ctx: RolloutContext, step: StepState | None, coro: Corout
     return out
 
 
-def _manager_context(what: str) -> RolloutContext:
+def _manager_context(what: str, coro: Coroutine[Any, Any, Any]) -> RolloutContext:
+    """The rollout manager's context for handing ``coro`` over; without one ``coro`` is closed (it
+    never runs: no "never awaited" warning) and RuntimeError names ``what``."""
     ctx = current_context(None)
     if ctx is None:
+        coro.close()
         raise RuntimeError(f"{what}: no rollout context: no rollout manager runs in this process (or several "
                            "do: set_context(ctx) in this thread first)")
     return ctx
@@ -325,11 +328,7 @@ async def on_manager_loop(coro: Coroutine[Any, Any, T]) -> T:
 
     Raises ``RuntimeError`` when no rollout manager is found (see ``current_context``) or once it
     shuts down; the work's own exception otherwise."""
-    try:
-        ctx = _manager_context("on_manager_loop")
-    except RuntimeError:
-        coro.close()
-        raise
+    ctx = _manager_context("on_manager_loop", coro)
     if _running_loop() is ctx.loop:
         return await coro
     fut = asyncio.run_coroutine_threadsafe(_handed_over(ctx, current_step(None), coro), ctx.loop)
@@ -344,11 +343,7 @@ def call_on_manager_loop(coro: Coroutine[Any, Any, T], timeout: float | None = N
     ``RuntimeError`` when called on the manager's loop itself (it would block it: await the
     coroutine instead), when no manager is found, or when the rollout step it belongs to was ended
     (its message says why)."""
-    try:
-        ctx = _manager_context("call_on_manager_loop")
-    except RuntimeError:
-        coro.close()
-        raise
+    ctx = _manager_context("call_on_manager_loop", coro)
     if _running_loop() is ctx.loop:
         coro.close()
         raise RuntimeError("call_on_manager_loop blocks: it was called on the rollout manager's event loop "
@@ -370,7 +365,7 @@ def start_detached(coro: Coroutine[Any, Any, Any]) -> "asyncio.Future[Any] | con
     generations that outlives a step, as slime's fully_async keeps); returns its asyncio task (when
     called on the manager's loop) or a ``concurrent.futures.Future`` (from another thread). It runs
     under the manager's detached step: counted, stopped at shutdown (its requests aborted first)."""
-    ctx = _manager_context("start_detached")
+    ctx = _manager_context("start_detached", coro)
     if _running_loop() is ctx.loop:  # a fresh context: the caller's step and recordings stay with it
         return ctx.loop.create_task(_handed_over(ctx, None, coro), context=contextvars.Context())
     return asyncio.run_coroutine_threadsafe(_handed_over(ctx, None, coro), ctx.loop)
