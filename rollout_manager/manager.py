@@ -297,6 +297,7 @@ class RolloutManager:
         if work.tasks:
             e = self.settings.engines
             await abort_requests(self.engine_urls, list(work.step.inflight), e.admin_api_key or e.api_key)
+            # checked again: the abort above may have ended every task (asyncio.wait refuses an empty set)
             _, still = await asyncio.wait(set(work.tasks), timeout=_SHUTDOWN_WORK_S) if work.tasks else (None, ())
             for t in still:
                 t.cancel()
