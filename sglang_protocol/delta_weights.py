@@ -79,7 +79,8 @@ def encode(new: torch.Tensor, old: torch.Tensor, encoding: str) -> tuple[torch.T
     gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)).to(torch.int32)  # [n], all >= 1
     xor = torch.bitwise_xor(new[pos], old[pos])  # [n]
     planes = torch.cat([_planes(gaps.cpu()), _planes(xor.cpu())])
-    return torch.frombuffer(bytearray(zlib.compress(planes.numpy().tobytes(), _ZLIB_LEVEL)), dtype=torch.uint8), n
+    packed = bytearray(zlib.compress(planes.numpy(), _ZLIB_LEVEL))  # zlib reads the array's buffer: no copy
+    return torch.frombuffer(packed, dtype=torch.uint8), n
 
 
 def decode(payload: torch.Tensor, n: int, itemsize: int, encoding: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +101,7 @@ def decode(payload: torch.Tensor, n: int, itemsize: int, encoding: str) -> tuple
     if n == 0:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=idt)
     try:
-        planes = torch.frombuffer(bytearray(zlib.decompress(raw.numpy().tobytes())), dtype=torch.uint8)
+        planes = torch.frombuffer(bytearray(zlib.decompress(raw.numpy())), dtype=torch.uint8)
     except zlib.error as e:
         raise DeltaError(f"xor payload: {e}") from e
     if planes.numel() != n * (4 + itemsize):
@@ -191,9 +192,10 @@ def install(model: Any) -> bool:
     and the resulting full tensors are loaded the model's own way (stacked projections, TP shards).
     SGLang's models are not in HF layout, which is why the base is kept beside them.
 
-    A model that is not a ``torch.nn.Module`` (the embedded engine's stand-in; it applies deltas
-    itself) is left as it is. Idempotent; returns whether the wrapper is in place."""
-    if not isinstance(model, torch.nn.Module):
+    The trainer arms only engines that do not list their parameters (SGLang): the embedded engine
+    applies deltas to its parameters itself. Idempotent; returns whether the wrapper is in place
+    (False: ``model`` has no ``load_weights``)."""
+    if not callable(getattr(model, "load_weights", None)):
         return False
     if id(model) in _bases:
         return True

@@ -5,7 +5,6 @@ compared after every step with an engine that got the same step as a full push."
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 from sglang_protocol import delta_weights as dw
 from sglang_protocol import held_weights
 from sglang_protocol.client import EngineClient
-from tests._fixtures_weight_sync import stop_engines, ws_toy_model  # noqa: F401
+from tests._fixtures_weight_sync import stop_engines, train_steps, ws_toy_model  # noqa: F401
 from weight_sync.delta import DeltaTracker
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.sender import WeightSender
@@ -121,22 +120,6 @@ def _checksums(url: str) -> dict[str, str]:
     return asyncio.run(main())
 
 
-def _train_steps(model_dir: Path, steps: int, lr: float):
-    """A real optimizer (Adam, fp32 master weights) on a real loss (next-token on random tokens):
-    yields the model after each step."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        ids = torch.randint(3, model.config.vocab_size, (4, 16))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        yield model
-
-
 @pytest.mark.parametrize("transport", ["distributed", "disk"])
 def test_delta_pushes_equal_full_pushes_after_every_step(bf16_engines, ws_toy_model, transport):  # noqa: F811
     (delta_url, full_url), disk = bf16_engines
@@ -147,7 +130,7 @@ def test_delta_pushes_equal_full_pushes_after_every_step(bf16_engines, ws_toy_mo
         delta.connect([delta_url])
         full.connect([full_url])
         kinds, ratios = [], []
-        for step, model in enumerate(_train_steps(ws_toy_model, 5, lr=1e-4), start=1):
+        for step, model in enumerate(train_steps(ws_toy_model, 5, lr=1e-4), start=1):
             m = delta.push(model.named_parameters(), version=step)  # check_equal: every byte, every tensor
             full.push(model.named_parameters(), version=step)
             assert _checksums(delta_url) == _checksums(full_url), f"step {step}"
@@ -160,7 +143,7 @@ def test_delta_pushes_equal_full_pushes_after_every_step(bf16_engines, ws_toy_mo
         with WeightSender(other) as intruder:
             intruder.connect([delta_url])
             intruder.push(model.named_parameters(), version=99)
-        step_model = next(_train_steps(ws_toy_model, 1, lr=1e-4))
+        step_model = next(train_steps(ws_toy_model, 1, lr=1e-4))
         m = delta.push(step_model.named_parameters(), version=100)
         assert m["weight_sync/delta"] == 0
         m = delta.push(step_model.named_parameters(), version=101)
@@ -171,7 +154,7 @@ def test_engine_refuses_a_delta_against_another_base_and_the_push_is_redone_in_f
                                                                                      monkeypatch):
     (url, _), _ = bf16_engines
     s = WeightSyncSettings(update_mode="delta", full_every=0, check_equal=True, timeout_s=60, retries=1)
-    steps = _train_steps(ws_toy_model, 2, lr=1e-4)
+    steps = train_steps(ws_toy_model, 2, lr=1e-4)
     with WeightSender(s) as sender:
         sender.connect([url])
         sender.push(next(steps).named_parameters(), version=1)

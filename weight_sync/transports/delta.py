@@ -43,15 +43,23 @@ class DeltaDistributedTransport(DistributedTransport):
         super().__init__(settings, mark)
         self.tracker = DeltaTracker(self.settings)
         self._resync = False
+        self._ready: dict[int, list[torch.Tensor]] = {}  # delta buckets encoded by prepare()
 
     async def prepare(self, members: list[EngineState], payload: Payload, keep: bool = True) -> float:
-        self._resync = not keep
+        """Choose full or delta; a delta push is encoded whole here, before the engines pause (the
+        encoded buckets are small; encoding, not sending, is most of a delta push's work)."""
+        self._resync, self._ready = not keep, {}
         if keep:
             await self.tracker.choose(members, payload.buckets)
         else:  # a resync sends that engine its tensors in full; the others' copy may differ from them
             self.tracker.invalidate("an engine was resynced")
             self.tracker.delta = False
-        return await super().prepare(members, payload, keep)
+        connect_s = await super().prepare(members, payload, keep)
+        if self.tracker.delta:
+            link = self._active
+            for i in range(1, len(payload.buckets)):
+                self._ready[i] = await self._pack(link, payload, i)
+        return connect_s
 
     async def send(self, members: list[EngineState], payload: Payload, version: int, progress: Progress | None,
                    resume: Resume | None) -> float:
@@ -61,6 +69,10 @@ class DeltaDistributedTransport(DistributedTransport):
         if not self._resync:
             self.tracker.commit(version)
         return t
+
+    async def finish(self) -> None:
+        self._ready = {}
+        await super().finish()
 
     async def after_failure(self, members: list[EngineState], alive: set[str]) -> None:
         self.tracker.invalidate("the last push failed")
@@ -73,6 +85,10 @@ class DeltaDistributedTransport(DistributedTransport):
         return self.tracker.wire.get(i, buckets[i]) if self.tracker.delta else buckets[i]
 
     def _pack(self, link: Link, payload: Payload, i: int) -> "asyncio.Future[list[torch.Tensor]]":
+        if i in self._ready:  # encoded before the pause
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(self._ready.pop(i))
+            return fut
         tracker, bucket, resync = self.tracker, payload.buckets[i], self._resync
 
         def pack() -> list[torch.Tensor]:
@@ -92,11 +108,14 @@ class DeltaDiskTransport(DiskTransport):
         super().__init__(settings, mark, post_write)
         self.tracker = DeltaTracker(self.settings)
         self._resync = False
+        self._encoded: dict[str, torch.Tensor] | None = None  # by prepare(): header -> delta payload
 
     async def prepare(self, members: list[EngineState], payload: Payload, keep: bool = True) -> float:
-        self._resync = not keep
+        """Choose full or delta, and encode every bucket (the copy updated) before the engines pause."""
+        self._resync, self._encoded = not keep, None
         if keep:
             await self.tracker.choose(members, payload.buckets)
+            self._encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_all, payload)
         else:
             self.tracker.invalidate("an engine was resynced")
             self.tracker.delta = False
@@ -112,7 +131,7 @@ class DeltaDiskTransport(DiskTransport):
             await begin_session(members, s.timeout_s)  # SGLang takes the arming request only inside one
             await arm_sglang(members, s)
             await end_session(members, s.timeout_s)
-        encoded = await loop.run_in_executor(None, self._encode_all, payload)
+        encoded, self._encoded = self._encoded, None
         if not tr.delta:  # the engines load the full checkpoint; the copy was recorded while encoding
             t = await super().send(members, payload, version, progress, resume)
             tr.commit(version)
