@@ -14,8 +14,9 @@ step's change is encoded offline in both encodings (``xor``, ``overwrite``) over
 for their bytes and encode time, and the changed fraction of bf16 elements is recorded.
 
 ``ratio`` = full-push bytes / delta-push bytes at 0.5B (medians; target >= 30), ``time_ratio``
-beside it = full-push time / delta-push time (pause to continue; ``total`` includes the packing
-and encoding done before the pause).
+beside it = full-push time / delta-push time (pause to continue: what generation loses), and
+``total_ratio`` the same for the whole ``push`` call (with the packing and the encoding done
+before the pause); both without the check's time.
 """
 
 from __future__ import annotations
@@ -105,9 +106,11 @@ def bench_set(name: str, args, work: Path, port: int) -> dict:
                 m = sender.push(named(), version=step)
                 total = time.perf_counter() - t0
                 off = _offline(named(), prev)
+                check = m["weight_sync/check_s"]  # the check is not part of a push's cost
                 row = {"step": step, "kind": "delta" if m["weight_sync/delta"] else "full",
                        "bytes": m["weight_sync/sent_bytes"], "full_bytes": m["weight_sync/bytes"],
-                       "time_s": m["weight_sync/time_s"], "total_s": total, "train_s": train_s,
+                       "time_s": m["weight_sync/time_s"] - check, "total_s": total - check,
+                       "before_pause_s": m["weight_sync/pack_first_s"], "check_s": check, "train_s": train_s,
                        "checked": bool(sender.settings.check_equal), **off}
                 pushes.append(row)
                 print(f"{name} step {step}: {row['kind']:5} {row['bytes'] / 2**20:9.2f} MiB  push {row['time_s']:.3f} s"
@@ -133,6 +136,61 @@ def bench_set(name: str, args, work: Path, port: int) -> dict:
             "checked_equal": all(p["checked"] for p in pushes[-2:]), "pushes": pushes}
 
 
+def bench_codec(name: str, args) -> dict:
+    """``--codec-device cuda``: no engine, no transport: the same training steps on the GPU, and each
+    step's change encoded and applied there, bucket by bucket as a push would (what a push over
+    NCCL pays before and after the bytes travel)."""
+    from sglang_protocol import delta_weights as dw
+
+    dev = torch.device(args.codec_device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    model = _model(name, args.seed).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    prev = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    steps = []
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), generator=g, device=dev)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        row = {"step": step, "full_bytes": 0, "changed": 0}
+        for enc in dw.ENCODINGS:
+            row[f"{enc}_bytes"], row[f"{enc}_encode_s"], row[f"{enc}_apply_s"] = 0, 0.0, 0.0
+        news = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+        for n, new in news.items():
+            row["full_bytes"] += new.numel() * 2
+            for enc in dw.ENCODINGS:
+                sync()
+                t0 = time.perf_counter()
+                payload, k = dw.encode(dw.bits(new), dw.bits(prev[n]), enc)
+                sync()
+                t1 = time.perf_counter()
+                target = prev[n].clone()
+                sync()
+                t2 = time.perf_counter()
+                meta = {"names": [n], "shapes": [list(new.shape)], "dtype": "bfloat16", "n": k, "enc": enc, "base": "0"}
+                dw.apply(meta, payload.to(dev), [target])
+                sync()
+                row[f"{enc}_encode_s"] += t1 - t0
+                row[f"{enc}_apply_s"] += time.perf_counter() - t2
+                row[f"{enc}_bytes"] += payload.numel()
+                assert torch.equal(dw.bits(target), dw.bits(new)), n
+            row["changed"] += k
+        prev = news
+        row["changed_fraction"] = row["changed"] / (row["full_bytes"] / 2)
+        steps.append(row)
+        print(f"{name} step {step}: changed {row['changed_fraction']:.4%}  xor {row['xor_bytes'] / 2**20:.2f} MiB "
+              f"(encode {row['xor_encode_s']:.3f} s, apply {row['xor_apply_s']:.3f} s)  overwrite "
+              f"{row['overwrite_bytes'] / 2**20:.2f} MiB (encode {row['overwrite_encode_s']:.3f} s)", file=sys.stderr)
+    med = lambda k: statistics.median(r[k] for r in steps)  # noqa: E731
+    return {"parameters": sum(p.numel() for p in model.parameters()), "full_bytes": steps[0]["full_bytes"],
+            "changed_fraction": med("changed_fraction"),
+            **{f"{enc}_{what}": med(f"{enc}_{what}") for enc in dw.ENCODINGS for what in ("bytes", "encode_s", "apply_s")},
+            "xor_ratio": steps[0]["full_bytes"] / med("xor_bytes"),
+            "overwrite_ratio": steps[0]["full_bytes"] / med("overwrite_bytes"), "steps": steps}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", nargs="+", default=["toy", "0.5B"], choices=["toy", *SETS])
@@ -145,8 +203,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=31870)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync_delta.json"))
+    ap.add_argument("--codec-device", default=None,
+                    help="e.g. cuda: only the codec, on that device (no engine, no transport); see bench_codec")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    if args.codec_device:
+        sets = {name: bench_codec(name, args) for name in args.sets}
+        head = sets.get("0.5B") or sets[args.sets[-1]]
+        result = {"name": "weight_sync_delta_codec_" + args.codec_device,
+                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "machine": (torch.cuda.get_device_name(0) if args.codec_device.startswith("cuda") else platform.machine())
+                  + f", torch {torch.__version__}",
+                  "command": "python bench/weight_sync_delta.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "metrics": {"lr": args.lr, "optimizer": "Adam (fp32 master weights)", "sets": sets},
+                  "ratio": head["xor_ratio"], "target": 30}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return result
     sets = {}
     with tempfile.TemporaryDirectory(prefix="ws_delta_") as tmp:
         for i, name in enumerate(args.sets):
@@ -159,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
               "metrics": {"lr": args.lr, "optimizer": "Adam (fp32 master weights)", "engine_dtype": "bfloat16",
                           "encoding": args.encoding, "steps": args.steps, "bucket_bytes": args.bucket_bytes,
                           "sets": sets},
-              "ratio": head["bytes_ratio"], "time_ratio": head["time_ratio"], "target": 30}
+              "ratio": head["bytes_ratio"], "time_ratio": head["time_ratio"], "total_ratio": head["total_ratio"],
+              "target": 30}
     for name, r in sets.items():
         print(f"{name:>5}: full {r['full_bytes'] / 2**20:.2f} MiB {r['full_time_s']:.3f} s | delta "
               f"{r['delta_bytes'] / 2**20:.3f} MiB {r['delta_time_s']:.3f} s | bytes x{r['bytes_ratio']:.1f} "

@@ -148,6 +148,8 @@ def test_delta_pushes_equal_full_pushes_after_every_step(bf16_engines, ws_toy_mo
         assert m["weight_sync/delta"] == 0
         m = delta.push(step_model.named_parameters(), version=101)
         assert m["weight_sync/delta"] == 1 and m["weight_sync/sent_bytes"] < m["weight_sync/bytes"] / 50
+        delta.resync(delta_url, step_model.named_parameters(), version=101)  # a restarted engine brought back
+        assert delta.push(step_model.named_parameters(), version=102)["weight_sync/delta"] == 0
 
 
 def test_engine_refuses_a_delta_against_another_base_and_the_push_is_redone_in_full(bf16_engines, ws_toy_model,  # noqa: F811
