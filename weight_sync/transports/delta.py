@@ -54,18 +54,26 @@ class DeltaDistributedTransport(DistributedTransport):
         else:  # a resync sends that engine its tensors in full; the others' copy may differ from them
             self.tracker.invalidate("an engine was resynced")
             self.tracker.delta = False
-        connect_s = await super().prepare(members, payload, keep)
-        if self.tracker.delta:
-            link = self._active
-            for i in range(1, len(payload.buckets)):
-                self._ready[i] = await self._pack(link, payload, i)
+        try:
+            connect_s = await super().prepare(members, payload, keep)
+            if self.tracker.delta:
+                link = self._active
+                for i in range(1, len(payload.buckets)):
+                    self._ready[i] = await self._pack(link, payload, i)
+        except BaseException:  # the copy may be half brought to the new values
+            self.tracker.invalidate("encoding the last push failed")
+            raise
         return connect_s
 
     async def send(self, members: list[EngineState], payload: Payload, version: int, progress: Progress | None,
                    resume: Resume | None) -> float:
-        if not self.tracker.delta:
-            await arm_sglang(members, self.settings)
-        t = await super().send(members, payload, version, progress, resume)
+        try:
+            if not self.tracker.delta:
+                await arm_sglang(members, self.settings)
+            t = await super().send(members, payload, version, progress, resume)
+        except BaseException:  # the engines may hold part of it: the next push is full
+            self.tracker.invalidate("the last push failed")
+            raise
         if not self._resync:
             self.tracker.commit(version)
         return t
@@ -98,7 +106,8 @@ class DeltaDistributedTransport(DistributedTransport):
             flat = out[0] if link.flattened else flatten_bucket(out)
             sent = tracker.encode(i, bucket, flat)
             return [sent] if (tracker.delta or link.flattened) else out
-        return start_packing(pack, here=link.device.type == "cuda")
+        # encoding waits for the GPU and deflates on the CPU: never on the loop (a full pack only queues copies)
+        return start_packing(pack, here=link.device.type == "cuda" and not tracker.delta)
 
 
 class DeltaDiskTransport(DiskTransport):
@@ -115,7 +124,11 @@ class DeltaDiskTransport(DiskTransport):
         self._resync, self._encoded = not keep, None
         if keep:
             await self.tracker.choose(members, payload.buckets)
-            self._encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_all, payload)
+            try:
+                self._encoded = await asyncio.get_running_loop().run_in_executor(None, self._encode_all, payload)
+            except BaseException:  # the copy may be half brought to the new values
+                self.tracker.invalidate("encoding the last push failed")
+                raise
         else:
             self.tracker.invalidate("an engine was resynced")
             self.tracker.delta = False
@@ -125,12 +138,21 @@ class DeltaDiskTransport(DiskTransport):
                    resume: Resume | None) -> float:
         if self._resync:
             return await super().send(members, payload, version, progress, resume)
+        try:
+            return await self._send(members, payload, version, progress, resume)
+        except BaseException:  # the engines may hold part of it: the next push is full
+            self.tracker.invalidate("the last push failed")
+            raise
+
+    async def _send(self, members: list[EngineState], payload: Payload, version: int, progress: Progress | None,
+                    resume: Resume | None) -> float:
         s, tr = self.settings, self.tracker
         loop = asyncio.get_running_loop()
-        if not tr.delta:
-            await begin_session(members, s.timeout_s)  # SGLang takes the arming request only inside one
-            await arm_sglang(members, s)
-            await end_session(members, s.timeout_s)
+        sglang = [e for e in members if not e.complete]
+        if not tr.delta and sglang:
+            await begin_session(sglang, s.timeout_s)  # SGLang takes the arming request only inside one
+            await arm_sglang(sglang, s)
+            await end_session(sglang, s.timeout_s)
         encoded, self._encoded = self._encoded, None
         if not tr.delta:  # the engines load the full checkpoint; the copy was recorded while encoding
             t = await super().send(members, payload, version, progress, resume)
