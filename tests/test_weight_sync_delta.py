@@ -191,3 +191,25 @@ def test_the_launcher_pushes_deltas_that_land_exactly(tmp_path):
     assert [r["weight_sync/delta"] for r in steps] == [0.0, 1.0, 1.0, 0.0]
     assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/engines"] == 2 for r in steps)
     assert all(100 < r["weight_sync/sent_bytes"] < r["weight_sync/bytes"] for r in steps if r["weight_sync/delta"])
+
+
+def test_delta_settings_name_their_flags_and_the_tensor_transport_pushes_in_full(caplog):
+    import argparse
+    import logging
+
+    from weight_sync.arguments import add_arguments, settings_from_args
+    from weight_sync.transports import make_transport
+    from weight_sync.transports.delta import DeltaDistributedTransport
+    from weight_sync.transports.tensor import TensorTransport
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--hf-checkpoint")
+    with pytest.raises(ValueError, match="--update-weight-full-every"):
+        settings_from_args(parser.parse_args(["--update-weight-mode", "delta", "--update-weight-full-every", "-1"]))
+    s = settings_from_args(parser.parse_args(["--update-weight-mode", "delta", "--update-weight-delta-encoding",
+                                              "overwrite"]))
+    assert isinstance(make_transport(s, lambda *_: None), DeltaDistributedTransport)
+    with caplog.at_level(logging.WARNING, logger="weight_sync.transports"):
+        t = make_transport(WeightSyncSettings(transport="tensor", update_mode="delta"), lambda *_: None)
+    assert type(t) is TensorTransport and "pushing in full" in caplog.text
