@@ -23,11 +23,13 @@ def main() -> Path:
         r = json.loads(f.read_text())
         ratio, target = r.get("ratio"), r.get("target")
         met = "" if ratio is None or target is None else ("yes" if ratio >= target else "**no**")
-        rows.append(f"| {r['name']} | {_fmt(ratio)} | {_fmt(target)} | {met} | {r.get('date', '')[:16]} | "
+        shown = _fmt(ratio) + (f" (time {_fmt(r['time_ratio'])})" if r.get("time_ratio") is not None else "")
+        rows.append(f"| {r['name']} | {shown} | {_fmt(target)} | {met} | {r.get('date', '')[:16]} | "
                     f"{r.get('machine', '')} | `{r.get('command', '')}` |")
     text = ["# Benchmark results", "",
             "Latest numbers of each benchmark in `bench/` (regenerate with `python bench/write_results.py`).",
-            "`ratio` is ours / the ceiling or baseline measured in the same run (higher is better); each",
+            "`ratio` is ours / the ceiling or baseline measured in the same run (higher is better; a benchmark",
+            "with a second ratio shows it beside, e.g. weight_sync_delta's time ratio); each",
             "benchmark's JSON in `bench/results/` holds every metric, the trials and the configuration.", "",
             "| benchmark | ratio | target | met | date (UTC) | machine | command |",
             "| --- | --- | --- | --- | --- | --- | --- |", *rows, ""]

@@ -19,6 +19,10 @@
   is imported and called as SGLang calls it, ``fn(model, named_tensors)``, in the scheduler
   thread, ``model.load_weights`` being that same copy (``sglang_protocol/held_weights.py``).
 - ``update_from_disk``: load a checkpoint and copy it in the same way.
+- Delta pushes (``--update-weight-mode delta``, ``sglang_protocol/delta_weights.py``): a bucket
+  named by a delta header (over the group, or in a directory marked as a delta) is applied in
+  place to the parameters, in the scheduler like a copy, if the engine is at the delta's base
+  version (else the version's last bucket fails, and the trainer pushes in full).
 
 Where a bucket's time goes matters (bench/weight_sync.py measures it), so:
 - gloo receives block until the bucket is here, and NCCL's first collective of a group builds
@@ -53,10 +57,12 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from sglang_protocol import delta_weights
 from sglang_protocol.buckets import bucket_layout, parse_dtype, tensor_checksum, unflatten_bucket
 from sglang_protocol.process_group import WeightUpdateGroup, init_weight_update_group
 from sglang_protocol.tensor_update import LOAD_FORMATS, TensorUpdateRequest, deserialize, named_tensors
@@ -167,6 +173,7 @@ class WeightManager:
         self._side: torch.cuda.Stream | None = None  # see _copy_stream
         self._recv_buffers = _ReceiveBuffers()  # CPU, flattened buckets
         self.session_open = False  # a weight-update session (/begin_weight_update) is open
+        self._delta_push: tuple[str | None, set[int]] = (None, set())  # storages a delta push already changed
 
     # --- the weight-update session (SGLang >= 0.5.22) ---------------------------------------
     def begin_session(self) -> None:
@@ -174,6 +181,7 @@ class WeightManager:
         if self.session_open:
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         self.session_open = True
+        self._apply_error = None  # a failed copy of an abandoned push: that push is redone whole
 
     def end_session(self) -> None:
         """``/end_weight_update``: close the session (SGLang runs its post-load processing here;
@@ -247,7 +255,10 @@ class WeightManager:
             except ValueError as e:
                 raise WeightUpdateError(f"dtypes/shapes: {e} (the broadcast was not drained)") from e
             nbytes = layout[-1][0] + layout[-1][1]
-        problem = self._check(names, tdtypes, tshapes)  # validated now, reported after draining
+        delta, problem = self._delta_of(names)
+        if delta is None and problem is None:
+            problem = self._check(names, tdtypes, tshapes)  # validated now, reported after draining
+        loader = self._delta_loader(delta) if delta is not None else None
         dev = self.runner.device
         numels = [math.prod(sh) for sh in tshapes]
         rec["bytes"] = float(sum(n * dt.itemsize for n, dt in zip(numels, tdtypes)))
@@ -277,7 +288,7 @@ class WeightManager:
             # answer goes out (callbacks run in order, so receives keep the order of requests), so
             # the trainer's next request overlaps this one's enqueue. A failure is reported by the
             # version's last bucket, which then leaves the version unchanged.
-            asyncio.get_running_loop().call_soon(self._receive_and_apply, receive, names, rec)
+            asyncio.get_running_loop().call_soon(self._receive_and_apply, receive, names, rec, loader)
             return
         if g.group.backend == "nccl" and g.joined:  # the last bucket: answered once its copy is queued
             tensors = receive()
@@ -295,11 +306,15 @@ class WeightManager:
                 release()
             raise WeightUpdateError(problem)
         applied = self._apply(dict(zip(names, tensors)), weight_version, held[0] if held else None,
-                              final=weight_version is not None)
+                              final=weight_version is not None, loader=loader)
         if weight_version is not None:
             # The bucket that completes a version waits for its copy (and, being queued after
             # them, for every earlier bucket's), so the reported version is the one served.
-            await applied
+            try:
+                await applied
+            except BaseException:
+                self._apply_error = None  # reported to this request already, not to a later push
+                raise
         else:  # a failure is reported by the version's last bucket (see _apply)
             applied.add_done_callback(lambda f: f.cancelled() or f.exception())
         rec["applied"] = time.perf_counter()
@@ -320,7 +335,7 @@ class WeightManager:
             self._side = torch.cuda.Stream(self.runner.device)
         return self._side
 
-    def _receive_and_apply(self, receive, names: list[str], rec: dict) -> None:
+    def _receive_and_apply(self, receive, names: list[str], rec: dict, loader: Callable | None = None) -> None:
         """A deferred NCCL receive (see update_from_distributed): queue it, then the copy."""
         try:
             tensors = receive()
@@ -329,7 +344,7 @@ class WeightManager:
             log.exception("weight update: deferred receive failed")
             return
         rec["recv_queued"] = time.perf_counter()
-        self._apply(dict(zip(names, tensors)), None, final=False).add_done_callback(
+        self._apply(dict(zip(names, tensors)), None, final=False, loader=loader).add_done_callback(
             lambda f: f.cancelled() or f.exception())
         rec["applied"] = time.perf_counter()
         self.trace.append(rec)
@@ -377,6 +392,9 @@ class WeightManager:
     async def update_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
+        if (Path(model_path) / delta_weights.DELTA_MARKER).is_file():
+            return await self._delta_from_disk(Path(model_path) / delta_weights.DELTA_FILE, weight_version)
+
         def load() -> dict[str, torch.Tensor]:
             m = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.runner.dtype, local_files_only=True)
             return dict(m.named_parameters(remove_duplicate=False))
@@ -393,6 +411,69 @@ class WeightManager:
         if problem:
             raise WeightUpdateError(f"model_path: {problem}")
         await self._apply(state, weight_version)
+
+    def _delta_of(self, names: list[str]) -> tuple[dict | None, str | None]:
+        """``(meta, None)`` for a delta bucket whose tensors are the model's, ``(None, problem)`` for
+        one that is not, ``(None, None)`` for a plain bucket."""
+        if not any(delta_weights.is_delta(n) for n in names):
+            return None, None
+        if len(names) != 1:
+            return None, "a delta bucket travels alone: one name, its header"
+        try:
+            meta = delta_weights.parse_header(names[0])
+        except delta_weights.DeltaError as e:
+            return None, str(e)
+        dtype = parse_dtype(meta["dtype"])
+        for n, sh in zip(meta["names"], meta["shapes"]):
+            p = self._params.get(n)
+            if p is None:
+                return None, f"{n}: no such parameter in the model"
+            if list(p.shape) != list(sh) or p.dtype != dtype:
+                return None, (f"{n}: a delta of {dtype} {list(sh)}, the model holds {p.dtype} {list(p.shape)} "
+                              "(deltas are taken in the engine's dtype)")
+        return meta, None
+
+    def _delta_loader(self, meta: dict) -> Callable:
+        """The loader ``_apply`` runs in the scheduler for one delta bucket: checks the base version,
+        then applies the delta in place (a storage that two names share gets it once per push)."""
+        params, sched = self._params, self.scheduler
+
+        def load(_target: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+            if str(meta["base"]) != str(sched.weight_version):
+                raise delta_weights.DeltaError(f"a delta against weight version {meta['base']!r}; this engine is at "
+                                               f"{sched.weight_version!r}")
+            push = meta.get("push")
+            if self._delta_push[0] != push:
+                self._delta_push = (push, set())
+            done = self._delta_push[1]
+            targets = [params[n] for n in meta["names"]]
+            skip = {i for i, t in enumerate(targets) if t.untyped_storage().data_ptr() in done}
+            delta_weights.apply(meta, named[0][1], targets, skip=skip)
+            done.update(t.untyped_storage().data_ptr() for t in targets)
+        return load
+
+    async def _delta_from_disk(self, path: "Path", weight_version: str | None) -> None:
+        """A delta directory: every bucket in it, applied in one scheduler command, in file order."""
+        from safetensors import safe_open
+
+        def read() -> list[tuple[str, torch.Tensor]]:
+            with safe_open(str(path), "pt") as f:
+                return [(n, f.get_tensor(n)) for n in f.keys()]
+        try:
+            buckets = await asyncio.get_running_loop().run_in_executor(None, read)
+        except (OSError, ValueError) as e:
+            raise WeightUpdateError(f"model_path: cannot read the delta {str(path)!r}: {e}") from e
+        loaders = []
+        for name, _ in buckets:
+            meta, problem = self._delta_of([name])
+            if problem or meta is None:
+                raise WeightUpdateError(f"model_path: {problem or 'not a delta bucket: ' + name[:80]}")
+            loaders.append(self._delta_loader(meta))
+
+        def load_all(target: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+            for ld, pair in zip(loaders, named):
+                ld(target, [pair])
+        await self._apply(dict(buckets), weight_version, loader=load_all)
 
     def _check_named(self, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """``named``, or WeightUpdateError saying what does not fit the model."""

@@ -42,7 +42,7 @@ from typing import Any, Iterable
 
 import torch
 
-from sglang_protocol import load_replay
+from sglang_protocol import delta_weights, load_replay
 from sglang_protocol.buckets import dtype_name, parse_dtype
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,12 @@ def load_and_hold(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
     hold them until the next call, so their allocations stay mapped. The first load of a set of
     storages is recorded (``load_replay``); a later push of the same storages into the same
     parameters replays the recorded copies instead of walking the model again. An empty list lets
-    go of what is held."""
+    go of what is held. The one-entry request ``delta_weights.INSTALL`` arms delta pushes instead
+    (``delta_weights.install``): the trainer sends it with ``--update-weight-mode delta``."""
     named = list(named_tensors)
+    if len(named) == 1 and named[0][0] == delta_weights.INSTALL:
+        delta_weights.install(model)
+        return
     if not named:
         _held.pop(id(model), None)
         _loads.pop(id(model), None)

@@ -58,3 +58,20 @@ def perturbed_model(model: Path, scale: float):
         for p in m.parameters():
             p.mul_(scale)
     return m.eval()
+
+
+def train_steps(model_dir: Path, steps: int, lr: float, seed: int = 0):
+    """A real optimizer (Adam, fp32 master weights) on a real loss (next-token cross-entropy on
+    random tokens) over the model in ``model_dir``: yields the model after each step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        ids = torch.randint(3, model.config.vocab_size, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        yield model

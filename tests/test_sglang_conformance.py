@@ -17,6 +17,7 @@ import torch
 
 from _fixtures_engine import engine_model, engine_url  # noqa: F401
 from sglang_oracle import import_sglang, running_oracles
+from sglang_protocol import held_weights
 from sglang_protocol.client import EngineClient, EngineError
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.sender import WeightSender
@@ -31,10 +32,11 @@ except ImportError as e:  # scripts/setup_env.sh installs it; a missing SGLang m
 
 @pytest.fixture(scope="module")
 def oracles(toy_model_dir, tmp_path_factory):
-    """Three SGLang oracle engines started in parallel: TP=2, TP=1 with an admin API key, and
-    TP=1 as SGLang before 0.5.22 (no session routes)."""
+    """Three SGLang oracle engines started in parallel: TP=2 (allowing the held-weights loader, as
+    the engines a run starts do), TP=1 with an admin API key, and TP=1 as SGLang before 0.5.22 (no
+    session routes)."""
     with running_oracles(toy_model_dir, tmp_path_factory.mktemp("oracle"),
-                         {"tp2": (2, ()), "keyed": (1, ("--admin-api-key", ADMIN_KEY)),
+                         {"tp2": (2, ("--custom-weight-loader", held_weights.LOADER)), "keyed": (1, ("--admin-api-key", ADMIN_KEY)),
                           "old": (1, ("--without-session-routes",))}) as urls:
         yield urls
 
@@ -353,3 +355,33 @@ def test_the_check_is_refused_where_sglang_cannot_read_weights_back(oracles, mon
     with WeightSender(_settings(check_equal=True)) as sender:
         with pytest.raises(ValueError, match="--check-weight-update-equal: engine .* cannot read its weights back"):
             sender.connect([oracles["old"]])
+
+
+def _received(url: str) -> list[dict]:
+    return _get(url, "/oracle/received")["ranks"]
+
+
+def test_delta_pushes_hand_sglangs_load_weights_the_full_tensors(oracles, toy_model_dir):
+    """``--update-weight-mode delta``: the sender arms each rank through SGLang's custom-loader path
+    (``/update_weights_from_tensor`` to the held-weights loader: ``delta_weights.install``), then
+    sends deltas over SGLang's broadcast receive; after every step of a short real training run,
+    SGLang's ``load_weights`` must have been handed the full bf16 tensors a full push hands it, on
+    both ranks (and the read-back check agrees)."""
+    import hashlib
+
+    from tests._fixtures_weight_sync import train_steps
+
+    s = WeightSyncSettings(backend="gloo", timeout_s=60, bucket_bytes=64 * 1024, update_mode="delta", full_every=0,
+                           engine_dtype="bfloat16", check_equal=True)
+    kinds = []
+    with WeightSender(s) as sender:
+        sender.connect([oracles["tp2"]])
+        for step, model in enumerate(train_steps(toy_model_dir, 4, lr=1e-4), start=1):
+            m = sender.push(model.named_parameters(), version=step)
+            kinds.append(int(m["weight_sync/delta"]))
+            want = {n: hashlib.sha256(p.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes())
+                    .hexdigest() for n, p in model.named_parameters()}
+            for rank in _received(oracles["tp2"]):
+                got = {n: r["sha256"] for n, r in rank["tensors"].items() if n in want}
+                assert got == want, f"step {step}: SGLang's load_weights got other values than a full push's"
+    assert kinds == [0, 1, 1, 1]

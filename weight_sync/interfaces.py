@@ -19,6 +19,8 @@ TRANSPORTS = ("auto", "distributed", "disk", "tensor")
 BACKENDS = ("auto", "gloo", "nccl")
 LOAD_FORMATS = ("auto", "flattened_bucket", "tensor", "mapped")
 PAUSE_MODES = ("abort", "retract", "in_place")
+UPDATE_MODES = ("full", "delta")  # slime's --update-weight-mode
+DELTA_ENCODINGS = ("xor", "overwrite")  # slime's --update-weight-delta-encoding (sglang_protocol/delta_weights.py)
 
 #: What a push consumes: ``(hf_name, full tensor)`` pairs, e.g. ``backend.named_hf_weights()``.
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
@@ -88,6 +90,17 @@ class WeightSyncSettings:
         sends half the bytes to a bf16 engine, and never holds a second full copy of the model);
         engines that list their parameters (``/weights_info``) are cast to the dtypes they report.
         None: such engines get the trainer's dtype and cast at load, as SGLang's loaders do.
+    update_mode: ``full`` sends every value at every push; ``delta`` (the ``distributed`` and
+        ``disk`` transports; ``tensor`` falls back to full, saying why) sends per bucket only the
+        elements whose bits changed since the last push, in the engines' dtype
+        (``weight_sync/delta.py``, ``sglang_protocol/delta_weights.py``). The sender keeps the last
+        pushed copy (one copy of the model in the engines' dtype, on the device the buckets are
+        packed on); an SGLang engine keeps one in host memory (``delta_weights.install``). A push
+        is full when there is no such copy, every ``full_every`` pushes, after a failed push, and
+        when an engine is not at the version the copy is of (restarted, resynced, new).
+    full_every: with ``delta``, every this many pushes one is full (0: only when needed, see above).
+    delta_encoding: ``xor`` (changed positions as gaps and XOR of the bits, byte planes, zlib; the
+        smallest) or ``overwrite`` (positions and new values, uncompressed; applying it twice is harmless).
     engine_wait_s: how long a push that finds no live engine waits for a dead one to answer again
         before it fails (0: fail at once). The launcher sets it to ``--engine-startup-timeout``
         when its fleet restarts the engines it started (``--restart-dead-engines``), so losing the
@@ -127,6 +140,15 @@ class WeightSyncSettings:
                                 name="--update-weight-disk-dir")
     disk_keep: int = flag(2, "pushed checkpoints kept in --update-weight-disk-dir", name="--update-weight-disk-keep")
     hf_checkpoint: str | None = flag(None, declared_elsewhere=True)
+    update_mode: str = flag("full", "full: every push sends every value; delta (transports distributed and disk): "
+                            "only the elements changed since the last push, in the engines' dtype (the trainer keeps "
+                            "the last pushed copy; SGLang engines keep one in host memory)",
+                            name="--update-weight-mode", choices=UPDATE_MODES)
+    full_every: int = flag(10, "with --update-weight-mode delta: every N-th push is full (0: only the first push, "
+                           "after a failure and after an engine restart)", name="--update-weight-full-every")
+    delta_encoding: str = flag("xor", "with --update-weight-mode delta: xor (positions and XOR of the bits, "
+                               "compressed; smallest) or overwrite (positions and new values)",
+                               name="--update-weight-delta-encoding", choices=DELTA_ENCODINGS)
     api_key: str | None = None
     admin_api_key: str | None = None
     engine_dtype: str | None = None
@@ -166,6 +188,12 @@ class WeightSyncSettings:
             raise SettingError("hf_checkpoint", "required when transport is 'disk'")
         if not self.group_name:
             raise SettingError("group_name", "must not be empty")
+        if self.update_mode not in UPDATE_MODES:
+            raise SettingError("update_mode", f"{self.update_mode!r}: expected one of {UPDATE_MODES}")
+        if self.delta_encoding not in DELTA_ENCODINGS:
+            raise SettingError("delta_encoding", f"{self.delta_encoding!r}: expected one of {DELTA_ENCODINGS}")
+        if self.full_every < 0:
+            raise SettingError("full_every", f"{self.full_every}: must be >= 0")
         if self.engine_wait_s < 0:
             raise SettingError("engine_wait_s", f"{self.engine_wait_s}: must be >= 0")
         if self.engine_dtype is not None and not is_float_dtype(self.engine_dtype):

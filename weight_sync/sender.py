@@ -112,6 +112,7 @@ class WeightSender:
         metrics = self._loop.run(self._push(payload, sent, version, progress),
                                  timeout=self._outer_timeout(len(payload.buckets) + bool(payload.held)))
         metrics["weight_sync/cast_tensors"] = float(payload.cast_tensors(specs, sent))
+        metrics.update(self._transport.metrics())
         self.version = version
         if self.version_sink is not None:  # the buffer's: buffer.retry.BufferVersionSink (survives its restart)
             t0 = time.perf_counter()

@@ -4,18 +4,23 @@
 - ``distributed.py``: a weight-update group (NCCL/gloo) and a broadcast per bucket;
 - ``tensor.py``: handles to the trainer's buckets (CUDA IPC; shared memory on the CPU) through
   ``/update_weights_from_tensor``, and the ``mapped`` held-weights format (colocated mode);
-- ``disk.py``: an HF checkpoint per version and ``/update_weights_from_disk``.
+- ``disk.py``: an HF checkpoint per version and ``/update_weights_from_disk``;
+- ``delta.py``: ``--update-weight-mode delta`` over ``distributed`` and ``disk``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.transports.base import Mark, Transport
+from weight_sync.transports.delta import DeltaDiskTransport, DeltaDistributedTransport
 from weight_sync.transports.disk import DiskTransport, PostWrite
 from weight_sync.transports.distributed import DistributedTransport
 from weight_sync.transports.tensor import TensorTransport
+
+logger = logging.getLogger(__name__)
 
 
 def make_transport(settings: WeightSyncSettings, mark: Mark, post_write: PostWrite | None = None) -> Transport:
@@ -31,10 +36,14 @@ def make_transport(settings: WeightSyncSettings, mark: Mark, post_write: PostWri
     if post_write is not None and settings.transport != "disk":
         raise ValueError(f"post_write (--custom-update-weight-post-write-path) runs after the disk transport "
                          f"writes a version; transport is {settings.transport!r}")
+    delta = settings.update_mode == "delta"
+    if delta and settings.transport == "tensor":
+        logger.warning("--update-weight-mode delta: the tensor transport (colocated) hands the engines handles to "
+                       "the trainer's memory, so no bytes travel that a delta would save; pushing in full")
     if settings.transport == "distributed":
-        return DistributedTransport(settings, mark)
+        return DeltaDistributedTransport(settings, mark) if delta else DistributedTransport(settings, mark)
     if settings.transport == "tensor":
         return TensorTransport(settings, mark, auto_format)
     if settings.transport == "disk":
-        return DiskTransport(settings, mark, post_write)
+        return DeltaDiskTransport(settings, mark, post_write) if delta else DiskTransport(settings, mark, post_write)
     raise ValueError(f"transport {settings.transport!r}: expected distributed, tensor or disk")

@@ -112,6 +112,10 @@ class Transport:
     async def close(self, alive: set[str]) -> None:
         """Last, when the sender closes (``alive``: urls of the engines alive)."""
 
+    def metrics(self) -> dict[str, float]:
+        """The transport's own metrics of the push that just succeeded (merged into the push's)."""
+        return {}
+
 
 def last_bucket(settings: WeightSyncSettings, version: int, last: bool) -> dict[str, Any]:
     """``weight_version`` and ``flush_cache`` of a bucket: only the last one carries the version (an

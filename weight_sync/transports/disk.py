@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Callable
 
 from weight_sync import disk
@@ -42,15 +43,20 @@ class DiskTransport(Transport):
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, disk.write_hf_checkpoint, payload.named, s.disk_dir, version,
                                           s.hf_checkpoint, s.disk_keep)
-        if self.post_write is not None:
-            urls = [e.url for e in members]
-            try:
-                await loop.run_in_executor(None, self.post_write, str(path), urls)
-            except Exception as e:  # the user's hook: the engines must not load what it did not publish
-                raise RuntimeError(f"push v{version}: --custom-update-weight-post-write-path failed on {path}: "
-                                   f"{type(e).__name__}: {e}") from e
+        await self._post_write(path, members, version)
         t = time.perf_counter()
         await call_all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
                                                                       timeout=s.timeout_s),
                         "update_weights_from_disk")
         return time.perf_counter() - t
+
+    async def _post_write(self, path: Path, members: list[EngineState], version: int) -> None:
+        """Run ``post_write`` on a written version's directory (in a worker thread), if given."""
+        if self.post_write is None:
+            return
+        urls = [e.url for e in members]
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.post_write, str(path), urls)
+        except Exception as e:  # the user's hook: the engines must not load what it did not publish
+            raise RuntimeError(f"push v{version}: --custom-update-weight-post-write-path failed on {path}: "
+                               f"{type(e).__name__}: {e}") from e

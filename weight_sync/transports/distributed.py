@@ -27,6 +27,7 @@ import torch
 
 from weight_sync.engines import EngineState
 from weight_sync.interfaces import WeightSyncSettings
+from weight_sync.plan import Bucket
 from weight_sync.link import Link, abort_link, close_link, open_link, send_bucket, wait_transfer
 from weight_sync.transports.base import (Mark, Payload, Progress, Resume, Transport, last_bucket, send_buckets,
                                          start_packing)
@@ -101,8 +102,8 @@ class DistributedTransport(Transport):
                      after: Callable[[], None] | None) -> Awaitable[torch.cuda.Event | None]:
             # after_issue starts packing the next bucket: on a GPU queued behind bucket i's
             # broadcast, while its answers come; on the CPU in a thread while this one travels
-            return send_bucket(link, buckets[i], packed, s, **last_bucket(s, version, i == len(buckets) - 1),
-                               after_issue=after)
+            return send_bucket(link, self._wire(buckets, i), packed, s,
+                               **last_bucket(s, version, i == len(buckets) - 1), after_issue=after)
 
         async def answered(i: int, ev: "torch.cuda.Event | None") -> None:
             if ev is not None:
@@ -144,6 +145,10 @@ class DistributedTransport(Transport):
         if self._link is not None:
             link, self._link = self._link, None
             await close_link(link, self.settings.timeout_s, urls_alive=alive)
+
+    def _wire(self, buckets: list[Bucket], i: int) -> Bucket:
+        """The metadata bucket ``i`` travels with (a delta push sends another: ``transports/delta.py``)."""
+        return buckets[i]
 
     @staticmethod
     def _pack(link: Link, payload: Payload, i: int) -> "asyncio.Future[list[torch.Tensor]]":
