@@ -351,6 +351,11 @@ class TrainSettings:
         if self.opd_type == "megatron":
             raise SettingError(("opd_type",), "{opd_type} megatron (a teacher model inside the trainer) is not built "
                                "in Reservoir: use {opd_type} sglang with a teacher engine")
+        if self.custom_advantage_function_path:
+            raise SettingError(("use_opd", "custom_advantage_function_path"),
+                               f"{{custom_advantage_function_path}} {self.custom_advantage_function_path} replaces "
+                               "the advantages after {use_opd} adds its term here (slime adds it after the custom "
+                               "function): not combined yet")
         if self.loss_type != "policy_loss":
             raise SettingError(("use_opd", "loss_type"), f"{{use_opd}} changes the advantages, which {{loss_type}} "
                                f"{self.loss_type} does not read")
