@@ -160,6 +160,27 @@ class ModelRunner:
         cache = BatchKVCache.stack([(rows, b.cache) for rows, _, b in parts], n)
         return logits, Batch(cache, valid, next_pos, last_tok)
 
+    @torch.inference_mode()
+    def prompt_log_probs(self, ids: list[int]) -> list[float]:
+        """``log p(ids[t] | ids[:t])`` for ``t = 1..len(ids)-1`` from one forward over ``ids``, from
+        the raw logits (temperature 1), as SGLang computes ``input_token_logprobs``. A teacher
+        scores a student's samples with these (``max_new_tokens: 0``); no cache is kept."""
+        L, dev = len(ids), self.device
+        x = torch.tensor([ids], dtype=torch.long, device=dev)  # [1, L]
+        pos = torch.arange(L, device=dev)[None]  # [1, L]
+        mask = torch.ones((L, L), dtype=torch.bool, device=dev).tril()[None, None]  # [1, 1, L, L]
+        cache = BatchKVCache(self.num_layers)
+        cache.begin(L, self.context_length)
+        with self._attention():
+            if self.native is not None:
+                logits = self.native.forward(x, pos, mask, cache, last_only=False)[0]  # [L, V]
+            else:
+                with self._kernels():
+                    logits = self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                                        **{self._cache_kw: cache}).logits[0]  # [L, V]
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [L-1, V]
+        return logp.gather(-1, x[0, 1:, None])[:, 0].tolist()
+
     def length_groups(self, lens: list[int]) -> list[list[int]]:
         """Split prompt indices into prefill forwards: contiguous runs of the lengths sorted,
         minimising the sum over forwards of max(padded tokens, PREFILL_MIN_TOKENS) +

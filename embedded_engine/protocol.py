@@ -72,6 +72,9 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
+    # SGLang's: with return_logprob, the prompt positions from here on get input_token_logprobs
+    # (-1: none); with max_new_tokens 0 the request only scores its prompt (a teacher's use)
+    logprob_start_len: int = -1
     extra: dict = field(default_factory=dict)
 
 
@@ -86,7 +89,7 @@ _NEUTRAL_TOP = {"stream": False, "top_logprobs_num": 0, "token_ids_logprob": Non
                 "return_routed_experts": False,
                 # sglang-router (0.3.2) forwards these with their defaults on every request
                 "background": False, "return_bytes": False, "return_entropy": False}
-_IGNORED_TOP = {"logprob_start_len", "log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+_IGNORED_TOP = {"log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                 "data_parallel_rank", "priority", "modalities", "extra_key", "no_logs", "routed_dp_rank",
                 "model"}  # sglang-router adds "model": null to every request it forwards
 
@@ -136,8 +139,8 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         if k in sp and sp[k] is not None and sp[k] != neutral:
             raise ProtocolError(p + k, f"not supported by the embedded engine (only {neutral!r})")
     max_new = _num(sp, "max_new_tokens", int, DEFAULT_MAX_NEW_TOKENS, p)
-    if max_new <= 0:
-        raise ProtocolError(p + "max_new_tokens", f"must be > 0, got {max_new}")
+    if max_new < 0:  # 0: score the prompt only (SGLang's prefill-only request)
+        raise ProtocolError(p + "max_new_tokens", f"must be >= 0, got {max_new}")
     temperature = _num(sp, "temperature", float, 1.0, p)
     if temperature < 0:
         raise ProtocolError(p + "temperature", f"must be >= 0, got {temperature}")
@@ -171,7 +174,17 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         no_stop_trim=_flag(sp, "no_stop_trim", False, p), sampling_seed=seed)
 
 
-_KNOWN_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
+_KNOWN_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs",
+              "logprob_start_len"}
+
+
+def _start_len(v: Any, name: str) -> int:
+    """``logprob_start_len``: -1 (SGLang's default: no prompt log-probs) or a prompt position."""
+    if v is None:
+        return -1
+    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise ProtocolError(name, f"expected -1 or a position >= 0, got {v!r}")
+    return v
 
 
 def _check_top_fields(body: Any) -> None:
@@ -220,7 +233,8 @@ def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
         rid=rid, input_ids=ids, text=text,
         params=parse_sampling_params(body.get("sampling_params"), vocab_size),
         return_logprob=_flag(body, "return_logprob", False, ""),
-        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""))
+        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""),
+        logprob_start_len=_start_len(body.get("logprob_start_len"), "logprob_start_len"))
 
 
 def _per_element(body: dict, name: str, n: int) -> list[Any]:
@@ -262,6 +276,8 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
         raise ProtocolError("rid", "expected a non-empty string or a list of them")
     params = _per_element(body, "sampling_params", n)
     logprob = _per_element(body, "return_logprob", n)
+    starts = _per_element(body, "logprob_start_len", n)
+    start_name = "logprob_start_len" + ("[{}]" if isinstance(body.get("logprob_start_len"), list) else "")
     shared_sp = not isinstance(body.get("sampling_params"), list)
     shared: SamplingParams | None = None  # a shared dict is validated once (at the first element)
     seen: set[str] = set()
@@ -299,5 +315,6 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
         out.append(GenerateInput(
             rid=r, input_ids=p if name == "input_ids" else None, text=p if name == "text" else None,
             params=sp, return_logprob=bool(lp),
-            return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, "")))
+            return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""),
+            logprob_start_len=_start_len(starts[i], start_name.format(i))))
     return out, True

@@ -104,35 +104,54 @@ class Engine:
             prompts = [self._prompt_ids(gi, i if batch else None) for i, gi in enumerate(elements)]
         except ProtocolError as e:
             return _bad(str(e))
+        for i, (gi, ids) in enumerate(zip(elements, prompts)):
+            if gi.logprob_start_len > len(ids):  # SGLang aborts such a request
+                at = f"[{i}]" if batch else ""
+                return _bad(f"logprob_start_len{at}: {gi.logprob_start_len} is beyond the prompt's {len(ids)} tokens")
         loop = asyncio.get_running_loop()
-        futs = [loop.create_future() for _ in elements]
-        reqs = [Request(gi.rid, ids, gi.params, _resolver(loop, fut)) for gi, ids, fut in zip(elements, prompts, futs)]
+        # max_new_tokens 0: the prompt is only scored (no scheduler request); the others generate
+        futs = [loop.create_future() if gi.params.max_new_tokens else None for gi in elements]
+        reqs = [Request(gi.rid, ids, gi.params, _resolver(loop, fut) if fut else _scored)
+                for gi, ids, fut in zip(elements, prompts, futs)]
+        queued: list[int] = []
         for i, req in enumerate(reqs):
+            if futs[i] is None:
+                req.finish_reason, req.weight_version = {"type": "length", "length": 0}, self.scheduler.weight_version
+                continue
             try:
                 self.scheduler.submit(req)
             except RuntimeError as e:  # rid already in flight, or shutting down: the whole request fails
-                for done in reqs[:i]:  # withdraw the elements queued so far (they never ran a step)
-                    self.scheduler.abort(done.rid, "batch rejected")
-                if i:
-                    await asyncio.gather(*futs[:i])
+                for j in queued:  # withdraw the elements queued so far (they never ran a step)
+                    self.scheduler.abort(reqs[j].rid, "batch rejected")
+                if queued:
+                    await asyncio.gather(*(futs[j] for j in queued))
                 return _bad(f"rid[{i}]: {e}" if batch else f"rid: {e}")
+            queued.append(i)
         try:
-            if batch:
-                await asyncio.gather(*futs)
-            else:
-                await futs[0]
+            prompt_logprobs = await asyncio.gather(*(self._input_logprobs(gi, ids) for gi, ids in zip(elements, prompts)))
+            await asyncio.gather(*(futs[j] for j in queued))
         except asyncio.CancelledError:  # the client went away: free every element's slot
-            for req in reqs:
-                if req.finish_reason is None:
-                    self.scheduler.abort(req.rid, "client disconnected")
+            for j in queued:
+                if reqs[j].finish_reason is None:
+                    self.scheduler.abort(reqs[j].rid, "client disconnected")
             raise
         for i, req in enumerate(reqs):
             if req.error is not None:
                 where = f" (element {i})" if batch else ""
                 return _bad(f"generation failed{where}: {type(req.error).__name__}: {req.error}", 500)
-        if batch:
-            return _json([self._response(gi, req) for gi, req in zip(elements, reqs)])
-        return _json(self._response(elements[0], reqs[0]))
+        out = [self._response(gi, req, lps) for gi, req, lps in zip(elements, reqs, prompt_logprobs)]
+        return _json(out if batch else out[0])
+
+    async def _input_logprobs(self, gi: GenerateInput, ids: list[int]) -> list[float | None]:
+        """SGLang's ``input_token_logprobs`` values of ``ids[logprob_start_len:]``: ``None`` at the
+        first (SGLang scores no token there), then each token's log-prob given the tokens before it;
+        none without ``return_logprob`` or at SGLang's default ``-1``. The forward runs in the
+        scheduler thread between two steps (never beside a weight update)."""
+        start = gi.logprob_start_len
+        if not gi.return_logprob or not 0 <= start < len(ids):
+            return []
+        lps = await asyncio.wrap_future(self.scheduler.run_command(lambda: self.runner.prompt_log_probs(ids)))
+        return [None] + lps[start:]
 
     def _prompt_ids(self, gi: GenerateInput, index: int | None = None) -> list[int]:
         """The prompt's token ids (``text`` tokenized); ``index``: its element in a batch, for errors."""
@@ -149,7 +168,7 @@ class Engine:
                                 f"{self.runner.context_length} (leave room for at least one new token)")
         return ids
 
-    def _response(self, gi: GenerateInput, req: Request) -> dict:
+    def _response(self, gi: GenerateInput, req: Request, prompt_logprobs: list[float | None]) -> dict:
         p, fr, out = gi.params, req.finish_reason, req.output_ids
         tok = self.runner.tokenizer
         text_ids = out
@@ -166,11 +185,15 @@ class Engine:
             "completion_tokens": len(out), "cached_tokens": 0, "weight_version": req.weight_version,
             "e2e_latency": time.monotonic() - req.arrival}
         if gi.return_logprob:
+            scored = req.prompt_ids[len(req.prompt_ids) - len(prompt_logprobs):] if prompt_logprobs else []
             if gi.return_text_in_logprobs:
                 pieces = tok.batch_decode([[t] for t in out])
                 meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(req.logprobs, out, pieces)]
+                meta["input_token_logprobs"] = [[lp, t, s] for lp, t, s in
+                                                zip(prompt_logprobs, scored, tok.batch_decode([[t] for t in scored]))]
             else:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out)]
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(prompt_logprobs, scored)]
         return {"text": text, "output_ids": out, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -365,6 +388,10 @@ class Engine:
     async def resume_memory_occupation(self, b: dict) -> str:
         await self.weights.resume_memory(_tags(b))
         return "Succeeded to resume memory occupation."
+
+
+def _scored(req: Request) -> None:
+    """The ``on_finish`` of a prompt-only request (``max_new_tokens`` 0): never queued, never called."""
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Request], None]:

@@ -45,6 +45,7 @@ from rollout_manager.router import Router
 from rollout_manager.settings import PluginSettings, RolloutSettings
 from rollout_manager.sft import conversation_check, is_sft_rollout
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
+from rollout_manager.teacher import Teacher
 from rollout_manager.tito import tito_checker
 from sglang_protocol.client import EngineClient
 
@@ -171,6 +172,7 @@ class RolloutManager:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self.router: Router | None = None
         self.fleet: EngineFleet | None = None
+        self.teacher: Teacher | None = None  # --opd-teacher-url / --opd-teacher-load
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
         self._last_rollout_id: int | None = None
@@ -208,7 +210,9 @@ class RolloutManager:
         self.fleet = EngineFleet(self.settings, self.router, self.log_dir)
         try:
             await self.fleet.start()
+            self.teacher = await Teacher.start(self.settings, self.log_dir)  # on-policy distillation's, if any
         except BaseException:
+            await self.fleet.stop()
             self.router.stop()
             raise
         # slime's contract: custom generate/rollout functions find the router (and the engine count) in args
@@ -235,7 +239,7 @@ class RolloutManager:
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
             all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito,
-            detached=DetachedWork(limit=max(1, s.rollout_batch_size)))
+            detached=DetachedWork(limit=max(1, s.rollout_batch_size)), teacher=self.teacher)
         self.ctx.running.set()
         set_context(self.ctx)
         register_live_context(self.ctx)  # plugins' own threads and loops find it (plugin_api)
@@ -278,6 +282,8 @@ class RolloutManager:
         stops = [self.fleet.stop()] if self.fleet is not None else []
         if self.router is not None:  # the router and the engines stop side by side (each waits on its exit)
             stops.append(asyncio.to_thread(self.router.stop))
+        if self.teacher is not None:
+            stops.append(self.teacher.stop())
         await asyncio.gather(*stops)
         if self._client is not None:
             await self._client.close()

@@ -302,6 +302,8 @@ async def generate_and_score_group(ctx: RolloutContext, group: list[Sample], par
         group = [x for out in outs for x in out]
     if ctx.rewarder.group_rm and all(s.status in _DONE for s in group):
         await ctx.rewarder.score_group([s for s in group if s.reward is None])
+    if ctx.teacher is not None and not evaluation and all(s.status in _DONE for s in group):
+        await ctx.teacher.score_group(group, ctx.settings.sampling.rollout_temperature)
     return group
 
 

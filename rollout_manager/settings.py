@@ -9,6 +9,7 @@ Components take the settings; only plugins see the argparse namespace (slime's p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from flags import SettingError, check_bound, check_choice, flag
@@ -224,6 +225,16 @@ class PluginSettings:
     custom_rm_path: str | None = flag(None, "reward function rm(args, sample) -> float or dict, sync or async "
                                       "(with --group-rm: rm(args, samples) -> a list of them)")
     group_rm: bool = flag(False, "call --custom-rm-path once per group with all its samples")
+    opd_teacher_url: str | None = flag(None, "on-policy distillation (--use-opd --opd-type sglang): the teacher, an "
+                                       "engine speaking SGLang's HTTP API (its base URL), which scores every "
+                                       "generated sample's tokens (/generate, max_new_tokens 0, return_logprob) "
+                                       "into sample.teacher_log_probs; slime passes it as --rm-url to its reward "
+                                       "function slime.rollout.on_policy_distillation.reward_func")
+    opd_teacher_load: str | None = flag(None, "on-policy distillation: an HF checkpoint the rollout manager serves as "
+                                        "the teacher, one more engine of --rollout-engine's kind (on the CPU: an "
+                                        "embedded engine) outside the router, never sent weights; instead of "
+                                        "--opd-teacher-url. (slime's flag loads a Megatron teacher for "
+                                        "--opd-type megatron)")
     reward_key: str | None = flag(None, "with dict rewards, the key of the value that is the reward (advantages, "
                                   "metrics)")
     dynamic_sampling_filter_path: str | None = flag(None, "filter(args, group) -> bool or slime's DynamicFilterOutput "
@@ -269,6 +280,15 @@ class PluginSettings:
         if self.rm_url and self.custom_rm_path:
             raise SettingError(("rm_url", "custom_rm_path"),
                                "{rm_url} and {custom_rm_path} were both given: choose one reward")
+        if self.opd_teacher_url and self.opd_teacher_load:
+            raise SettingError(("opd_teacher_url", "opd_teacher_load"),
+                               "{opd_teacher_url} and {opd_teacher_load} were both given: choose one teacher")
+        if self.opd_teacher_load is not None and not os.path.isfile(os.path.join(self.opd_teacher_load, "config.json")):
+            raise SettingError("opd_teacher_load", f"{{opd_teacher_load}} {self.opd_teacher_load}: not an HF "
+                               "checkpoint (no config.json)")
+        if self.opd_teacher_url is not None and not self.opd_teacher_url.startswith(("http://", "https://")):
+            raise SettingError("opd_teacher_url", f"{{opd_teacher_url}} {self.opd_teacher_url!r}: expected an "
+                               "http(s):// URL")
         if self.group_rm and not self.custom_rm_path:
             raise SettingError(("group_rm", "custom_rm_path"),
                                "{group_rm} needs {custom_rm_path} (a batched reward function)")

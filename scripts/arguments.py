@@ -21,7 +21,8 @@ from typing import Any
 from buffer.settings import BufferSettings
 from flags import SettingError, add_flags, check_bound, flag, flag_of, from_args
 from flags.parser import ArgumentParser
-from rollout_manager.settings import EngineFleetSettings, RolloutLoopSettings, RolloutSettings, SamplingSettings
+from rollout_manager.settings import (EngineFleetSettings, PluginSettings, RolloutLoopSettings, RolloutSettings,
+                                      SamplingSettings)
 from scripts.config import load_config_defaults
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import TrainSettings
@@ -268,6 +269,14 @@ def _check_across_parts(args: argparse.Namespace) -> None:
                     "alike, SGLang's default), so the policy ratios are off by the truncation",
                     flag_of(SamplingSettings, "rollout_top_p"), args.rollout_top_p,
                     flag_of(SamplingSettings, "rollout_top_k"), args.rollout_top_k)
+    teacher = [flag_of(PluginSettings, n) for n in ("opd_teacher_url", "opd_teacher_load") if getattr(args, n)]
+    use_opd = flag_of(TrainSettings, "use_opd")
+    if teacher and not args.use_opd:
+        raise ValueError(f"{teacher[0]} needs {use_opd} (the teacher only serves on-policy distillation)")
+    if args.use_opd and not teacher and not args.debug_train_only:
+        raise ValueError(f"{use_opd} {flag_of(TrainSettings, 'opd_type')} sglang needs the teacher engine: "
+                         f"{flag_of(PluginSettings, 'opd_teacher_url')} URL or "
+                         f"{flag_of(PluginSettings, 'opd_teacher_load')} HF_CHECKPOINT")
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size is not None and samples % args.global_batch_size:
         raise ValueError(f"{flag_of(TrainSettings, 'global_batch_size')} {args.global_batch_size} must divide "

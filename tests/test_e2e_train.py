@@ -23,13 +23,6 @@ from buffer.arrow import read_parquet
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def warm_toy(tmp_path_factory) -> Path:
-    from scripts import make_toy_model
-
-    return make_toy_model.main(["--out", str(tmp_path_factory.mktemp("toy") / "model"), "--warmup-steps", "60"])
-
-
 def train_cmd(model: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "examples/toy/grpo_cpu.yaml"),
             "--hf-checkpoint", str(model), "--prompt-data", str(model / "data/train.jsonl"),

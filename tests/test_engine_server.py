@@ -322,3 +322,51 @@ def test_client_disconnect_aborts_a_running_request(engine_url):
 
     steps = run(go())
     assert steps < 239  # it stopped before its 240 tokens
+
+
+def test_prompt_only_request_scores_every_prompt_token_as_sglang_does(engine_url, engine_model):
+    """``max_new_tokens: 0`` with ``return_logprob`` and ``logprob_start_len`` (how a teacher scores
+    a student's sample, slime's on-policy distillation): no token is generated, and
+    ``input_token_logprobs`` holds ``[None, ids[k]]`` then ``[log p(ids[t] | ids[:t]), ids[t]]`` for
+    every later t, equal to a full forward (raw logits, temperature 1 whatever the request's, as
+    SGLang); a generating request gets the same prompt log-probs beside its output ones."""
+    ps = prompts(4)
+
+    async def go():
+        async with EngineClient(engine_url, timeout=60) as c:
+            scored = [await c.request("POST", "/generate", {
+                "input_ids": p, "return_logprob": True, "logprob_start_len": k,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.7}}) for p, k in zip(ps, (0, 1, 0, 2))]
+            batch = await c.request("POST", "/generate", {
+                "input_ids": ps, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0}})
+            both = await c.request("POST", "/generate", {
+                "input_ids": ps[0], "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+            default = await c.generate(input_ids=ps[0], sampling_params={"max_new_tokens": 0})
+            bad = []
+            for body in ({"logprob_start_len": len(ps[0]) + 1}, {"logprob_start_len": -2},
+                         {"sampling_params": {"max_new_tokens": -1}}):
+                try:
+                    await c.request("POST", "/generate", {"input_ids": ps[0], "return_logprob": True, **body})
+                except EngineError as e:
+                    bad.append(str(e))
+            return scored, batch, both, default, bad
+
+    scored, batch, both, default, bad = run(go())
+    model = hf_model(engine_model)
+    for p, k, out in zip(ps, (0, 1, 0, 2), scored):
+        assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        lps = out["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in lps] == p[k:] and lps[0][0] is None
+        ref = reference_logprobs(model, p[:k + 1], p[k + 1:], 1.0)
+        assert max(abs(a - b) for (a, _, _), b in zip(lps[1:], ref)) <= 1e-5
+    assert [o["meta_info"]["input_token_logprobs"] for o in batch] == [
+        [[None, p[0], None]] + [[x[0], x[1], None] for x in o["meta_info"]["input_token_logprobs"][1:]]
+        for p, o in zip(ps, batch)]
+    assert batch[0]["meta_info"]["input_token_logprobs"] == scored[0]["meta_info"]["input_token_logprobs"]
+    assert both["meta_info"]["input_token_logprobs"] == scored[0]["meta_info"]["input_token_logprobs"]
+    assert len(both["output_ids"]) == 3
+    assert default["meta_info"]["input_token_logprobs"] == []  # SGLang's -1: no prompt log-probs
+    assert len(bad) == 3 and "logprob_start_len" in bad[0] and "logprob_start_len" in bad[1] \
+        and "max_new_tokens" in bad[2]

@@ -241,6 +241,9 @@ _DIFFERENTIAL = [
     ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "min_p": 2}}),
     ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}),
     ("POST", "/generate", {"sampling_params": {"max_new_tokens": 2}}),
+    # slime's on-policy distillation teacher query (slime/rollout/on_policy_distillation.py)
+    ("POST", "/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 0,
+                           "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False}}),
     ("POST", "/abort_request", {"rid": "nobody"}),
     ("GET", "/model_info", None), ("GET", "/get_weight_version", None),
 ]
@@ -263,6 +266,41 @@ def test_embedded_engine_answers_like_sglang(oracles, engine_url):
     assert sum(s // 100 == 2 for s in sglang) >= 6 and sum(s // 100 == 4 for s in sglang) >= 8, sglang
     differ = [(call[:2], call[2], s, o) for call, s, o in zip(_DIFFERENTIAL, sglang, ours) if s // 100 != o // 100]
     assert not differ, f"(call, body, SGLang's status, ours): {differ}"
+
+
+def test_prompt_log_probs_are_laid_out_as_sglangs_scheduler_lays_them_out(engine_url, engine_model):
+    """``input_token_logprobs`` of a prompt-only request (slime's teacher query): SGLang's own
+    ``SchedulerLogprobResultProcessor._process_input_token_logprobs`` turns the forward's log-probs
+    (position ``logprob_start_len`` on, the last one the sampling position's) into the values and
+    token ids of the answer; the embedded engine's answer has those values (1e-5: a forward here
+    against the engine's) and exactly those ids, for each ``logprob_start_len``."""
+    from types import SimpleNamespace
+
+    from _fixtures_engine import hf_model
+    from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor
+
+    ids = [1, 6, 9, 30, 12, 44, 7]
+    model = hf_model(engine_model)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)  # [L, V]
+    forward = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist() + [0.0]  # + the sampling position
+    processor = SchedulerLogprobResultProcessor(model_config=SimpleNamespace(vocab_size=model.config.vocab_size))
+
+    async def ask(start: int) -> dict:
+        async with EngineClient(engine_url, timeout=60) as c:
+            return await c.request("POST", "/generate", {
+                "input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+                "sampling_params": {"max_new_tokens": 0}})
+
+    for start in (0, 3, len(ids) - 1):
+        req = SimpleNamespace(logprob=SimpleNamespace(), origin_input_ids=ids, logprob_start_len=start,
+                              is_prefill_only=False)
+        processor._process_input_token_logprobs(req, forward[start:])
+        ours = asyncio.run(ask(start))["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in ours] == req.logprob.input_token_logprobs_idx
+        want = req.logprob.input_token_logprobs_val
+        assert len(ours) == len(want) and ours[0][0] is None and want[0] is None
+        assert max((abs(a - b) for (a, _, _), b in zip(ours[1:], want[1:])), default=0.0) <= 1e-5
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])

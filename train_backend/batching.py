@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from buffer.sample import TRAINABLE, Sample, check_sample
-from train_backend.losses import LossDenominators, compute_advantages, gae_advantages, whiten_advantages
+from train_backend.losses import (LossDenominators, compute_advantages, gae_advantages, opd_advantages,
+                                  whiten_advantages)
 
 if TYPE_CHECKING:
     from train_backend.hooks import LogProbsFn, TrainHooks
@@ -111,6 +112,8 @@ class TrainStepStart:
     # update, and GAE's returns (the value loss's targets)
     values: list[list[float]] | None = None
     returns: list[list[float]] | None = None
+    # --use-opd: the sampled reverse KL to the teacher over the loss tokens (slime's opd_reverse_kl)
+    opd_reverse_kl: float | None = None
 
 
 def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_seq_len: int | None,
@@ -131,6 +134,10 @@ def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_s
             raise ValueError("--advantage-estimator ppo needs a backend with a critic")
         old_values = values(batch.samples)
         adv, returns = gae_advantages(batch.samples, batch.advantages, old_values, settings.gamma, settings.lambd)
+    opd_kl = None
+    if settings.use_opd:  # after the estimator and before whitening, as slime's compute_advantages_and_returns
+        assert log_probs is not None, "the backend must pass log_probs with --use-opd"
+        adv, opd_kl = _apply_opd(batch.samples, adv, log_probs, settings)
     if settings.normalize_advantages:
         adv = whiten_advantages(batch.samples, adv)
     if hooks is not None and hooks.needs_rollout_data:  # before the denominators: it may change loss masks
@@ -141,7 +148,29 @@ def begin_train_step(groups: list[list[Sample]], settings: Any, step: int, max_s
     steps = split_steps(len(batch.samples), batch.num_input_samples, settings.global_batch_size)
     denominators = [LossDenominators(float(sum(sum(batch.samples[i].loss_mask) for i in r)), float(len(r)),
                                      norm_length) for r in steps]
-    return TrainStepStart(batch, adv, steps, denominators, old_values, returns)
+    return TrainStepStart(batch, adv, steps, denominators, old_values, returns, opd_kl)
+
+
+def _apply_opd(samples: list[Sample], adv: list, log_probs: "LogProbsFn", settings: Any) -> tuple[list, float]:
+    """``--use-opd``: the advantages with the teacher's reverse-KL term
+    (:func:`~train_backend.losses.opd_advantages`; the student's log-probs: the policy's before this
+    rollout's updates, one more no-grad pass, as slime's ``log_probs``), and the reverse KL over the
+    loss tokens: each sample's mean, averaged over the samples (``--loss-agg token_mean``: over the
+    tokens), as slime logs ``opd_reverse_kl``."""
+    for s in samples:
+        if s.teacher_log_probs is None or len(s.teacher_log_probs) != s.response_length:
+            got = "none" if s.teacher_log_probs is None else f"{len(s.teacher_log_probs)}"
+            raise ValueError(f"sample {s.index} (group {s.group_index}): --use-opd needs teacher_log_probs for each of "
+                             f"its {s.response_length} response tokens, got {got} (is the teacher engine set: "
+                             "--opd-teacher-url / --opd-teacher-load?)")
+    student = log_probs("", samples)
+    assert student is not None
+    adv, kls = opd_advantages(adv, student, [s.teacher_log_probs for s in samples], settings.opd_kl_coef)
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float64) for s in samples]
+    if settings.loss_agg == "token_mean":
+        total = sum(float((k * m).sum()) for k, m in zip(kls, masks))
+        return adv, total / max(sum(float(m.sum()) for m in masks), 1.0)
+    return adv, sum(float((k * m).sum() / m.sum().clamp(min=1)) for k, m in zip(kls, masks)) / len(samples)
 
 
 def split_steps(num_trainable: int, num_input_samples: int, global_batch_size: int | None) -> list[range]:

@@ -152,6 +152,26 @@ def whiten_advantages(samples: "list[Sample]", advantages: list) -> list:
     return white[torch.cumsum(counts, 0) - counts].tolist()  # each sample's first token
 
 
+# --- on-policy distillation ------------------------------------------------------------------------
+def opd_advantages(advantages: list, student: list[list[float]], teacher: list[list[float]], kl_coef: float
+                   ) -> tuple[list[list[float]], list[Tensor]]:
+    """``--use-opd``: each sample's advantages minus ``kl_coef`` times the sampled reverse KL to the
+    teacher, per response token: ``A_t - kl_coef * (log pi_student(a_t) - log pi_teacher(a_t))``
+    (slime's ``apply_opd_kl_to_advantages``, slime/backends/megatron_utils/loss.py; Thinking Machines'
+    on-policy distillation). ``advantages``: one float per sample (broadcast to its tokens) or one
+    list per sample; ``student``, ``teacher``: per sample, the log-probs of its response tokens (the
+    trainer's before this rollout's updates, and the teacher engine's). Returns the per-token
+    advantages and each sample's reverse KL ``[R]`` (float64), applied before
+    ``--normalize-advantages`` as in slime."""
+    out, kls = [], []
+    for adv, s, t in zip(advantages, student, teacher, strict=True):
+        kl = torch.tensor(s, dtype=torch.float64) - torch.tensor(t, dtype=torch.float64)  # [R]
+        base = torch.tensor(adv, dtype=torch.float64) if isinstance(adv, list) else torch.full_like(kl, float(adv))
+        out.append((base - kl_coef * kl).tolist())
+        kls.append(kl)
+    return out, kls
+
+
 # --- PPO with a critic: token-level rewards, GAE, the clipped value loss -------------------------
 def token_level_rewards(rewards: Tensor, response_lengths: list[int], kl: Tensor | None = None,
                         kl_coef: float = 0.0) -> Tensor:

@@ -32,6 +32,8 @@ DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling
 # the built-in train/rollout corrections (train_backend/mismatch.py), by slime's function names:
 # vanilla_tis_function, icepop_function, mis.py's compute_mis_weights
 TIS_FUNCTIONS = ("vanilla", "icepop", "mis")
+# slime's --opd-type: where the on-policy distillation teacher runs (megatron: in the trainer, not built here)
+OPD_TYPES = ("sglang", "megatron")
 MIS_LEVELS = ("token", "sequence", "geometric")  # mis.py's tis_level / rs_level
 MIS_MODES = ("truncate", "clip", "mask")  # mis.py's tis_mode
 # --tis-function mis's flags: slime reads them from mis.yaml (--custom-config-path), whose keys set
@@ -115,6 +117,15 @@ class TrainSettings:
     critic_lr: float | None = flag(None, "ppo: the critic's peak learning rate (default: --lr); its schedule has "
                                    "--lr's shape (warm-up, decay) scaled to it")
     num_critic_only_steps: int = flag(0, "ppo: the first rollouts train only the critic (slime's)")
+    use_opd: bool = flag(False, "on-policy distillation (slime's OPD): each response token's advantage gets "
+                         "-(--opd-kl-coef) x (student log-prob - teacher log-prob), the sampled reverse KL to the "
+                         "teacher, before --normalize-advantages; with zero rewards (--rm-type zero) it is pure "
+                         "distillation. The teacher scores the samples on the rollout side (--opd-teacher-url or "
+                         "--opd-teacher-load)")
+    opd_type: str | None = flag(None, "with --use-opd: sglang (the teacher is an engine speaking SGLang's HTTP API, "
+                                "queried during the rollout); slime's megatron (a teacher inside the trainer) is not "
+                                "built here", choices=OPD_TYPES)
+    opd_kl_coef: float = flag(1.0, "with --use-opd: the weight of the reverse-KL term in the advantages (slime's)")
     normalize_advantages: bool = flag(False, "whiten advantages over all loss tokens of the rollout batch (required "
                                       "by reinforce_plus_plus and reinforce_plus_plus_baseline, as in slime)")
     eps_clip: float = flag(0.2, "PPO clip range of the importance ratio (lower; also upper without "
@@ -269,6 +280,7 @@ class TrainSettings:
                                f"{{tis_clip_low}}={self.tis_clip_low} must be >= 0 and below {{tis_cap}}={self.tis_cap}")
         self._validate_tis_function()
         self._validate_critic()
+        self._validate_opd()
         if self.rollout_temperature <= 0:
             raise SettingError("rollout_temperature", f"{{rollout_temperature}}={self.rollout_temperature} must be > 0")
 
@@ -324,6 +336,29 @@ class TrainSettings:
         if self.tis_batch_normalize and self.tis_level == "geometric":
             raise SettingError(("tis_batch_normalize", "tis_level"),
                                "{tis_batch_normalize} needs {tis_level} token or sequence (as in mis.py)")
+
+    def _validate_opd(self) -> None:
+        """slime's checks of the OPD flags (slime/utils/arguments.py), and what is not built here."""
+        if not self.use_opd:
+            changed = [n for n, default in (("opd_type", None), ("opd_kl_coef", 1.0)) if getattr(self, n) != default]
+            if changed:
+                raise SettingError((*changed, "use_opd"), "{" + "}, {".join(changed) + "} need(s) {use_opd}")
+            return
+        if self.opd_type is None:
+            raise SettingError(("opd_type", "use_opd"), "{opd_type} must be given with {use_opd} (sglang: a teacher "
+                               "engine scores the samples)")
+        check_choice(self, "opd_type", OPD_TYPES)
+        if self.opd_type == "megatron":
+            raise SettingError(("opd_type",), "{opd_type} megatron (a teacher model inside the trainer) is not built "
+                               "in Reservoir: use {opd_type} sglang with a teacher engine")
+        if self.custom_advantage_function_path:
+            raise SettingError(("use_opd", "custom_advantage_function_path"),
+                               f"{{custom_advantage_function_path}} {self.custom_advantage_function_path} replaces "
+                               "the advantages after {use_opd} adds its term here (slime adds it after the custom "
+                               "function): not combined yet")
+        if self.loss_type != "policy_loss":
+            raise SettingError(("use_opd", "loss_type"), f"{{use_opd}} changes the advantages, which {{loss_type}} "
+                               f"{self.loss_type} does not read")
 
     def _validate_critic(self) -> None:
         """--advantage-estimator ppo's flags: refused with another estimator or backend, naming them."""

@@ -210,6 +210,8 @@ def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step
     named = hooks.loss is not None or hooks.tis is not None or s.tis_function != "vanilla"
     stats.losses, tokens = sums.reduce(len(plans), with_plugins=named)
     stats.losses.update(critic_stats)
+    if start.opd_reverse_kl is not None:
+        stats.losses["opd_reverse_kl"] = start.opd_reverse_kl
     phases.end(TRAIN_STATS_TIME.key)
     stats.grad_norm = sum(grad_norms) / len(grad_norms)
     stats.lr = lrs[-1]
