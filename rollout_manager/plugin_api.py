@@ -184,6 +184,7 @@ class RolloutContext:
     paths: dict[str, str] = field(default_factory=dict)  # flag -> import path, for failure reports
     tito: Any = None  # --tito-check's TitoChecker (rollout_manager/tito.py), None when off
     detached: DetachedWork | None = None  # work of plugins' own threads and loops (the manager sets it)
+    agent_env: Any = None  # --agent-env's environment (rollout_manager/agent.py), None without one
 
 
 # --- the current context and step ----------------------------------------------------------------
