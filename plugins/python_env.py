@@ -4,6 +4,7 @@ For ``--agent-env`` (``rollout_manager/agent.py``)::
 
     --agent-env plugins.python_env.make_env                 # the run's --rm-type scores the episode
     --agent-env plugins.python_env.make_answer_env          # reward 1.0 when the final reply is the label
+    --agent-env plugins.python_env.make_bare_answer_env     # the same without a system prompt (the toy tool task)
 
 Each model turn that contains code (the last ```` ```python ```` fenced block, or ``<code>...</code>``)
 runs it in a fresh sandboxed interpreter (``SandboxLimits()``: 10 s, 1 GiB, no network where the
@@ -22,7 +23,8 @@ from typing import Any
 
 from plugins.python_sandbox import PythonSandbox, SandboxLimits
 
-__all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env"]
+__all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
+           "make_bare_answer_env"]
 
 #: The tool's schema, given to the chat template (templates that render tools list it).
 PYTHON_TOOL = {"type": "function", "function": {
@@ -112,3 +114,9 @@ def make_env(args: Any) -> PythonToolEnv:
 def make_answer_env(args: Any) -> PythonToolEnv:
     """``--agent-env`` factory: the Python tool; the final reply is rewarded against the label."""
     return PythonToolEnv(answer_reward=True)
+
+
+def make_bare_answer_env(args: Any) -> PythonToolEnv:
+    """``--agent-env`` factory: ``make_answer_env`` without a system prompt, for a model trained to
+    call the tool (the toy tool task of ``scripts/make_toy_model.py --tool-task``)."""
+    return PythonToolEnv(system_prompt=None, answer_reward=True)
