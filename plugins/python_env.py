@@ -4,7 +4,8 @@ For ``--agent-env`` (``rollout_manager/agent.py``)::
 
     --agent-env plugins.python_env.make_env                 # the run's --rm-type scores the episode
     --agent-env plugins.python_env.make_answer_env          # reward 1.0 when the final reply is the label
-    --agent-env plugins.python_env.make_bare_answer_env     # the same without a system prompt (the toy tool task)
+    --agent-env plugins.python_env.make_bare_answer_env     # the same without a system prompt
+    --agent-env plugins.python_env.make_toy_tool_env        # the toy tool task's (the question as the variable q)
 
 Each model turn that contains code (the last ```` ```python ```` fenced block, or ``<code>...</code>``)
 runs it in a fresh sandboxed interpreter (``SandboxLimits()``: 10 s, 1 GiB, no network where the
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any
+from typing import Any, Callable
 
 from plugins.python_sandbox import PythonSandbox, SandboxLimits
 
 __all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
-           "make_bare_answer_env"]
+           "make_bare_answer_env", "make_toy_tool_env"]
 
 #: The tool's schema, given to the chat template (templates that render tools list it).
 PYTHON_TOOL = {"type": "function", "function": {
@@ -68,11 +69,14 @@ class PythonToolEnv:
     ``system_prompt``: the first message (None: none; the sample's prompt follows as the user's
     message); ``answer_reward``: reward the final reply 1.0 when it equals ``sample.label`` (after
     stripping), else 0.0 (False: no reward from the environment, the run's reward scores it);
-    ``limits`` / ``max_concurrency``: the sandbox's."""
+    ``limits`` / ``max_concurrency``: the sandbox's; ``preamble(sample)``: code run before the
+    model's in the same interpreter, unseen by the model (the task's inputs as variables)."""
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, answer_reward: bool = False,
-                 limits: SandboxLimits | None = None, max_concurrency: int = 4, max_output_chars: int = 512):
+                 limits: SandboxLimits | None = None, max_concurrency: int = 4, max_output_chars: int = 512,
+                 preamble: Callable[[Any], str] | None = None):
         self.system_prompt = system_prompt
+        self.preamble = preamble
         self.answer_reward = answer_reward
         self.sandbox = PythonSandbox(limits, max_concurrency=max_concurrency)
         self.max_output_chars = max_output_chars
@@ -93,7 +97,10 @@ class PythonToolEnv:
             if self.answer_reward:
                 reward = 1.0 if sample.label is not None and reply.strip() == str(sample.label).strip() else 0.0
             return [], True, reward, {"tool_calls": 0}
-        result = await self.sandbox.run(as_cell(code))
+        cell = as_cell(code)
+        if self.preamble is not None:
+            cell = self.preamble(sample) + "\n" + cell
+        result = await self.sandbox.run(cell)
         if result.ok:
             text = result.stdout
         elif result.killed_reason is not None:
@@ -120,3 +127,11 @@ def make_bare_answer_env(args: Any) -> PythonToolEnv:
     """``--agent-env`` factory: ``make_answer_env`` without a system prompt, for a model trained to
     call the tool (the toy tool task of ``scripts/make_toy_model.py --tool-task``)."""
     return PythonToolEnv(system_prompt=None, answer_reward=True)
+
+
+def make_toy_tool_env(args: Any) -> PythonToolEnv:
+    """``--agent-env`` factory of the toy tool task (``scripts/make_toy_model.py --tool-task``):
+    ``make_bare_answer_env`` whose code finds the question (``"37*48"`` of the prompt ``"37*48="``)
+    in the variable ``q``."""
+    return PythonToolEnv(system_prompt=None, answer_reward=True,
+                         preamble=lambda sample: f"q = {str(sample.prompt).rstrip('=')!r}")

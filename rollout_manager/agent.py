@@ -7,7 +7,10 @@ plain or an async function (plain ones run in a plugin thread, never on the even
     start(sample) -> (messages, tools)
         The episode's opening messages (system, user: rendered with the chat template, ``tools``
         given to it, as the prompt's ids) and the tool schemas; ``(None, tools)`` keeps the
-        sample's own prompt ids (its messages: ``sample.prompt`` as a list, or one user message).
+        sample's own prompt ids (its messages: ``sample.prompt`` as a list; for a prompt given as
+        text, ``chat_append.PROMPT_STANDIN``, after which an append-stable template writes the
+        same turns). With ``--apply-chat-template`` ``sample.prompt`` is the templated text: an
+        environment that renders the prompt itself (the built-in one) wants it off.
     step(sample, reply) -> (messages, done, reward) or (messages, done, reward, info)
         ``reply``: the model's turn as text (without the template's close). ``messages``: what
         follows it (tool results, a user turn), appended as one group; ``done``: the episode is
@@ -51,7 +54,8 @@ import time
 from typing import Any
 
 from buffer.sample import Sample, Status
-from plugins.chat_append import ChatAppendError, append_ids, check_append_stable, close_remainder, render_ids, template_close
+from plugins.chat_append import (PROMPT_STANDIN, ChatAppendError, append_ids, check_append_stable, close_remainder,
+                                 render_ids, template_close)
 from plugins.loader import load_function
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, add_turn, close_turn, open_turn, turn_log
 from rollout_manager.generate import generate as model_turn
@@ -111,9 +115,9 @@ async def _start(ctx: Any, env: Any, sample: Sample, render_prompt: bool) -> dic
             sample.tokens = await asyncio.to_thread(render_ids, ctx.tokenizer, messages, add_generation_prompt=True,
                                                     tools=tools)
             sample.response_length = 0
-    else:
+    else:  # a prompt given as text may be templated already: what follows it renders after a stand-in
         prompt = sample.prompt
-        messages = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages = [dict(m) for m in prompt] if isinstance(prompt, list) else [dict(m) for m in PROMPT_STANDIN]
     state = {"messages": messages, "tools": tools, "env_tokens": 0, "end_reason": None, "tool_calls": 0,
              "tool_errors": 0, "tool_time_s": [], "loop_lag_s": [], "env": {}}
     sample.metadata[AGENT_STATE] = state

@@ -146,6 +146,10 @@ class RolloutManager:
             self.agent_env = load_agent_env(p.agent_env, self.args)
             check_agent_template(self.tokenizer, p.agent_env)  # refuses a template env turns cannot append to
             self.paths["--agent-env"] = p.agent_env
+            if settings.data.apply_chat_template:
+                log.warning("--agent-env with --apply-chat-template: sample.prompt is the templated text, which an "
+                            "environment that renders the prompt itself (plugins.python_env's) takes for the user's "
+                            "message; leave --apply-chat-template off for such an environment")
         elif p.custom_generate_function_path == AGENT_GENERATE:
             raise ValueError(f"--custom-generate-function-path {AGENT_GENERATE} runs an --agent-env environment: "
                              "give --agent-env")

@@ -13,9 +13,9 @@ fine-tuned briefly on correct answers, so that RL starts from a low but non-zero
 the prompts are products of two-digit numbers (``{"prompt": "37*48=", "label": "1776"}``), which
 the toy model cannot compute in its head, and the warm-up teaches two ways to answer: a share
 ``--tool-warmup-frac`` of its examples call the Python tool and copy its answer
-(``<|assistant|><code>37*48</code><eos><|tool|>1776<|assistant|>1776<eos>``), the others guess
-directly (``<|assistant|>1776<eos>``). RL with ``--agent-env plugins.python_env.make_bare_answer_env``
-then learns to prefer the tool.
+(``<|assistant|><code>eval(q)</code><eos><|tool|>1776<|assistant|>1776<eos>``: the environment
+gives the code the question as ``q``), the others guess directly (``<|assistant|>1776<eos>``). RL
+with ``--agent-env plugins.python_env.make_toy_tool_env`` then learns to prefer the tool.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pathlib import Path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 TOOL_ROLE = "<|tool|>"  # --tool-task only: appended after CHARS, so every other id stays as it is
+# The --tool-task's tool call: the question is the code's variable q (plugins.python_env.make_toy_tool_env),
+# so the toy need not learn to copy the operands (a warm-up of affordable CPU time does not teach it)
+TOOL_CALL = "<code>eval(q)</code>"
 CHARS = list("0123456789+-*=?.,:;!()[]{}<>/\\'\" _#") + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
     [chr(c) for c in range(ord("A"), ord("Z") + 1)] + ["\n"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -89,7 +92,7 @@ def tool_transcript(prompt: str, label: str, use_tool: bool) -> list[dict]:
     prompt's expression, copy its answer) or without (answer directly)."""
     messages = [{"role": "user", "content": prompt}]
     if use_tool:
-        messages += [{"role": "assistant", "content": f"<code>{prompt.rstrip('=')}</code>"},
+        messages += [{"role": "assistant", "content": TOOL_CALL},
                      {"role": "tool", "content": label}]
     return messages + [{"role": "assistant", "content": label}]
 

@@ -29,8 +29,8 @@ def test_tool_role_is_added_last_and_only_with_the_flag(toy_model_dir, tool_mode
     assert "<|tool|>" not in plain.get_vocab()
     assert all(tool.get_vocab()[t] == i for t, i in plain.get_vocab().items())  # every other id as it was
     check_append_stable(tool)  # the probe's tool turns render as one role token, appendable
-    new = append_ids(tool, [{"role": "user", "content": "37*48="}, {"role": "assistant", "content": "<code>37*48</code>"}],
-                     [{"role": "tool", "content": "1776"}], ids=None)
+    conversation = [{"role": "user", "content": "37*48="}, {"role": "assistant", "content": "<code>eval(q)</code>"}]
+    new = append_ids(tool, conversation, [{"role": "tool", "content": "1776"}], ids=None)
     assert tool.convert_ids_to_tokens(new) == ["<|tool|>", "1", "7", "7", "6", "<|assistant|>"]
 
 
@@ -42,20 +42,21 @@ def test_tool_task_rows_and_warmup_masks(tool_model):
     tok = AutoTokenizer.from_pretrained(tool_model)
     prompt, rest, mask = make_toy_model._tool_example(tok, {"prompt": "37*48=", "label": "1776"}, True)
     learned = "".join(t for t, m in zip(tok.convert_ids_to_tokens(rest), mask) if m)
-    assert learned == "<code>37*48</code><eos>1776<eos>"  # the assistant turns; the tool's turn and glue not
+    assert learned == "<code>eval(q)</code><eos>1776<eos>"  # the assistant turns; the tool's turn and glue not
     prompt, rest, mask = make_toy_model._tool_example(tok, {"prompt": "37*48=", "label": "1776"}, False)
     assert tok.decode(rest) == "1776<eos>" and mask == [1] * 5
 
 
 def test_an_episode_on_the_tool_task_with_the_python_tool(tool_model):
-    """The tool-task tokenizer through the agent loop and the sandbox (the instant engine answers a
-    call every turn): the tool's turn renders as <|tool|> + the product + the next generation prompt."""
+    """The tool-task tokenizer through the agent loop and the sandbox (the instant engine answers the
+    task's call, eval(q), every turn): the tool's turn renders as <|tool|> + the product + the next
+    generation prompt."""
     tok = AutoTokenizer.from_pretrained(tool_model)
-    call = tok("<code>37*48</code>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    call = tok(make_toy_model.TOOL_CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
     async def go():
         argv = ["--hf-checkpoint", str(tool_model), "--prompt-data", str(tool_model / "data" / "train.jsonl"),
-                "--apply-chat-template", "--agent-env", "plugins.python_env.make_bare_answer_env",
+                "--agent-env", "plugins.python_env.make_toy_tool_env",
                 "--agent-max-turns", "2", "--rollout-max-response-len", "60", "--n-samples-per-prompt", "2",
                 "--rollout-batch-size", "1", "--rollout-engine", "instant", "--rollout-num-engines", "1",
                 "--engine-extra-args", f"--output-ids {','.join(map(str, call))}", "--rm-type", "exact_match",
@@ -66,8 +67,9 @@ def test_an_episode_on_the_tool_task_with_the_python_tool(tool_model):
     for s in groups[0]:
         assert s.status == Status.COMPLETED and s.loss_mask == turn_masks(s)
         env = [t for t in s.metadata[AGENT_TURNS] if t["kind"] == "env"]
+        product = str(eval(s.prompt.rstrip("=")))  # the tool computed the prompt's product (q)
         assert len(env) == 1 and tok.convert_ids_to_tokens(s.tokens[env[0]["start"]:env[0]["end"]]) == \
-            ["<|tool|>", "1", "7", "7", "6", "<|assistant|>"]
+            ["<|tool|>", *product, "<|assistant|>"]
         assert s.metadata[AGENT_STATE]["end_reason"] == "max_turns" and s.reward == 0.0
     assert metrics["rollout/failed_frac"] == 0 and metrics["rollout/agent/tool_calls"] == 4
     assert not any(k.startswith("rollout/tito/") and k.split("/")[-1] in ("prompt_mismatch", "not_append_only",
