@@ -74,3 +74,27 @@ def test_an_episode_on_the_tool_task_with_the_python_tool(tool_model):
     assert metrics["rollout/failed_frac"] == 0 and metrics["rollout/agent/tool_calls"] == 4
     assert not any(k.startswith("rollout/tito/") and k.split("/")[-1] in ("prompt_mismatch", "not_append_only",
                    "mask_outside_engine", "mask_inside_engine") for k in metrics)
+
+
+# Measured (10 steps, 8 prompts x 8, lr 1e-3, from the 800-step warm-up; seeds 1234, 7, 99 of the run):
+# the last 3 steps' mean reward over the first 3's rose by 0.51, 0.32, 0.16 and tool use by 0.41, 0.27,
+# 0.29 (reward 0.22-0.48 at step 0, 0.59-0.89 at step 9; the 10 steps took 37-63 s on a loaded 2-core
+# box, the warm-up 3.4 CPU minutes). The bounds are about half the smallest rise seen.
+STEPS, REWARD_RISE, TOOL_USE_RISE = 10, 0.08, 0.15
+
+
+@pytest.mark.slow  # the warm-up and the RL steps take minutes of CPU; the tests above are the fast part
+def test_the_tool_task_learns_on_the_cpu(tmp_path):
+    """GRPO on the toy tool task, in process (tests/_fixtures_agent_task.py): the rollout manager with
+    the agent loop and the sandboxed Python tool, the torch trainer, weights pushed each step.
+    Reward and tool use rise (bounds: the measured runs above STEPS)."""
+    from _fixtures_agent_task import train_tool_task
+
+    model = make_toy_model.main(["--out", str(tmp_path / "model"), "--tool-task", "--warmup-steps", "800",
+                                 "--warmup-batch-size", "16", "--tool-warmup-frac", "0.5"])
+    log = train_tool_task(model, tmp_path, steps=STEPS, prompts=8, n=8, lr=1e-3)
+    print("tool task:", [(round(r["reward"], 2), round(r["tool_use"], 2)) for r in log])
+    k = STEPS // 3
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(log[-k:], "reward") > mean(log[:k], "reward") + REWARD_RISE, log
+    assert mean(log[-k:], "tool_use") > mean(log[:k], "tool_use") + TOOL_USE_RISE, log
