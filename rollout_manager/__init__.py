@@ -13,6 +13,8 @@ as a Ray actor) to feed the buffer. The modules, in the order data flows through
 - ``plugin_api``: what plugins reach of the manager (the current context and step, the weight
   versions a sample's requests saw, default-rollout and shutdown registrations);
 - ``generate``: the default per-sample generate (token in, token out; retries; partial rollout);
+- ``agent``: the agent loop (``--agent-env``: multi-turn episodes with an environment, a custom
+  generate; its turn log in the samples' metadata is ``buffer.agent_turns``);
 - ``rollout``: the default rollout function (groups, rewards, dynamic-sampling filter,
   over-sampling, aborts);
 - ``rewards``: reward dispatch (built-ins in ``plugins.rewards``, remote, custom);

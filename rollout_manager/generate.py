@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.sample import Sample, Status, parse_weight_version  # noqa: F401 (re-exported for plugins)
+from buffer.agent_turns import AGENT_STATE, AGENT_TURNS
 from rollout_manager.plugin_api import RolloutContext, current_context, current_step
 from rollout_manager.rewards import mark_failed
 from rollout_manager.settings import RolloutSettings
@@ -121,6 +122,8 @@ def reset_sample(sample: Sample) -> None:
     sample.metadata.pop("failure_reason", None)
     sample.metadata.pop(ENGINE_SPANS, None)
     sample.metadata.pop(CHAT_TURNS, None)
+    sample.metadata.pop(AGENT_TURNS, None)  # an agent episode starts afresh (rollout_manager/agent.py)
+    sample.metadata.pop(AGENT_STATE, None)
 
 
 def append_segment(sample: Sample, out: dict, mask_offpolicy: bool) -> int:

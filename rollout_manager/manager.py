@@ -32,6 +32,7 @@ from flags import flag_of
 from metric_keys import ROLLOUT_BUFFER_CALLS_TIME, ROLLOUT_PUSH_TIME
 from plugins.loader import load_function, plugin_atexit_functions
 from plugins.slime_args import fill_slime_args
+from rollout_manager.agent import check_agent_template, load_agent_env
 from rollout_manager.data_source import DataReport, DataSource, ThreadSafeDataSource, load_prompts
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engines import EngineFleet
@@ -42,7 +43,7 @@ from rollout_manager.plugin_api import (DetachedWork, RolloutContext, StepState,
 from rollout_manager.rewards import Rewarder
 from rollout_manager.rollout import RolloutFailed, _takes_evaluation, abort_requests, run_rollout
 from rollout_manager.router import Router
-from rollout_manager.settings import PluginSettings, RolloutSettings
+from rollout_manager.settings import AGENT_GENERATE, PluginSettings, RolloutSettings
 from rollout_manager.sft import conversation_check, is_sft_rollout
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
 from rollout_manager.teacher import Teacher
@@ -141,6 +142,18 @@ class RolloutManager:
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
         self.tito = tito_checker(settings, self.tokenizer)  # None with --tito-check off
+        self.agent_env = None  # --agent-env's environment, built once (rollout_manager/agent.py)
+        if p.agent_env:
+            self.agent_env = load_agent_env(p.agent_env, self.args)
+            check_agent_template(self.tokenizer, p.agent_env)  # refuses a template env turns cannot append to
+            self.paths["--agent-env"] = p.agent_env
+            if settings.data.apply_chat_template:
+                log.warning("--agent-env with --apply-chat-template: sample.prompt is the templated text, which an "
+                            "environment that renders the prompt itself (plugins.python_env's) takes for the user's "
+                            "message; leave --apply-chat-template off for such an environment")
+        elif p.custom_generate_function_path == AGENT_GENERATE:
+            raise ValueError(f"--custom-generate-function-path {AGENT_GENERATE} runs an --agent-env environment: "
+                             "give --agent-env")
         d = settings.data
         if p.data_source_path:  # slime's contract: the class is built with the args
             cls = load_function(p.data_source_path, "--data-source-path", params=["args"])
@@ -239,7 +252,7 @@ class RolloutManager:
             rewarder=self.rewarder, generate_fn=self.generate_fn, filter_fn=self.filter_fn,
             loop=asyncio.get_running_loop(), tokenizer=self.tokenizer, sample_filter_fn=self.sample_filter_fn,
             all_samples_fn=self.all_samples_fn, paths=self.paths, sample_hooks=self.sample_hooks, tito=self.tito,
-            detached=DetachedWork(limit=max(1, s.rollout_batch_size)), teacher=self.teacher)
+            agent_env=self.agent_env, detached=DetachedWork(limit=max(1, s.rollout_batch_size)), teacher=self.teacher)
         self.ctx.running.set()
         set_context(self.ctx)
         register_live_context(self.ctx)  # plugins' own threads and loops find it (plugin_api)

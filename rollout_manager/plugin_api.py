@@ -185,6 +185,7 @@ class RolloutContext:
     tito: Any = None  # --tito-check's TitoChecker (rollout_manager/tito.py), None when off
     detached: DetachedWork | None = None  # work of plugins' own threads and loops (the manager sets it)
     teacher: Any = None  # on-policy distillation's teacher (rollout_manager/teacher.py), None when off
+    agent_env: Any = None  # --agent-env's environment (rollout_manager/agent.py), None without one
 
 
 # --- the current context and step ----------------------------------------------------------------

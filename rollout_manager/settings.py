@@ -126,6 +126,8 @@ class EngineFleetSettings:
 # prompt's unfinished samples as one batch /generate (n times fewer requests through the router and
 # both HTTP stacks); "sample" sends each sample alone. Custom generate functions are per sample.
 REQUEST_GRANULARITIES = ("group", "sample")
+# The agent loop's generate function: what --agent-env makes the custom generate (rollout_manager/agent.py)
+AGENT_GENERATE = "rollout_manager.agent.generate"
 # --tito-check (rollout_manager/tito.py): off, or warn (count and log), or fail (hard errors fail the sample too)
 TITO_MODES = ("off", "warn", "fail")
 
@@ -273,10 +275,23 @@ class PluginSettings:
     custom_eval_rollout_log_function_path: str | None = flag(None, "fn(rollout_id, args, data, extra_metrics) -> bool "
                                                              "after each evaluation; True: skip Reservoir's eval "
                                                              "metrics")
+    # The agent loop (rollout_manager/agent.py, docs/agent.md): a multi-turn custom generate
+    agent_env: str | None = flag(None, "import path of an agent environment factory, called once as factory(args); "
+                                 "the environment has start(sample) -> (messages, tools) and step(sample, reply) -> "
+                                 "(messages, done, reward), sync or async (plugins.python_env.make_env: a Python "
+                                 "tool). Sets --custom-generate-function-path to the agent loop (" + AGENT_GENERATE +
+                                 ") unless that is given", group="rollout: agent loop (docs/agent.md)")
+    agent_max_turns: int = flag(8, "most model turns of one --agent-env episode; the episode then ends (reason "
+                                "max_turns, counted in rollout/agent/end/<reason>)")
+    agent_max_env_tokens: int | None = flag(None, "most environment tokens (tool results, user turns) one episode may "
+                                            "add; a step that would pass it ends the episode (reason env_tokens)")
 
     def __post_init__(self) -> None:
         # rm_type's own values: arguments.settings_from_args (plugins.rewards.check_rm_type names its flag)
-        check_bound(self, ">", 0, "reward_timeout", "custom_generate_timeout", "filter_timeout")
+        check_bound(self, ">", 0, "reward_timeout", "custom_generate_timeout", "filter_timeout", "agent_max_turns",
+                    "agent_max_env_tokens")
+        if self.agent_env and not self.custom_generate_function_path:  # the agent loop is a custom generate
+            self.custom_generate_function_path = AGENT_GENERATE
         if self.rm_url and self.custom_rm_path:
             raise SettingError(("rm_url", "custom_rm_path"),
                                "{rm_url} and {custom_rm_path} were both given: choose one reward")

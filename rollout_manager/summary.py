@@ -9,6 +9,7 @@ from typing import Any
 
 from buffer.sample import Sample, Status
 from metric_keys import EVAL_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_REWARD_MEAN, ROLLOUT_TOKENS_PER_S
+from buffer.agent_turns import agent_metrics
 from rollout_manager.plugin_api import RolloutStats
 
 
@@ -29,7 +30,8 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
     of scored samples with reward > 0; ``pass_at_k``: fraction of groups with at least one such
     sample; ``response_len_*`` in tokens; ``truncated_frac``: samples that hit the length limit;
     ``tokens_per_s``: generated tokens over the step's wall time; ``failures/<reason>``: failed
-    samples by reason (``engine: ...``, ``reward: <exception>``, ``generate: <exception>``).
+    samples by reason (``engine: ...``, ``reward: <exception>``, ``generate: <exception>``);
+    ``agent/...``: the agent loop's (``buffer.agent_turns.agent_metrics``) when samples ran episodes.
     """
     samples = [s for g in groups for s in g]
     scored = [s.scalar_reward(reward_key) for s in samples if s.reward is not None]
@@ -68,6 +70,7 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
             m[f"tito/{kind}"] = n
     for reason, n in sorted(failures.items()):
         m[f"failures/{reason}"] = n
+    m.update(agent_metrics(samples))  # --agent-env episodes: turns, tool calls and errors, loop lag
     out = {f"{prefix}/{k}": float(v) for k, v in m.items()}
     if prefix == "eval":
         out[EVAL_ACCURACY.key] = out[f"eval/{ROLLOUT_REWARD_MEAN.name}"]
@@ -111,7 +114,8 @@ def merge_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
     if not per_step:
         return {}
     summed = ("num_groups", "num_samples", "requests", "retries", "aborted_requests", "dropped_groups",
-              "returned_groups", "failed_groups", "time_s", "failures/", "dynamic_filter/", "tito/")
+              "returned_groups", "failed_groups", "time_s", "failures/", "dynamic_filter/", "tito/",
+              "agent/episodes", "agent/tool_calls", "agent/tool_errors", "agent/end/")
     keys = sorted({k for m in per_step for k in m})
     out = {}
     for k in keys:

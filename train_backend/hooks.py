@@ -9,7 +9,10 @@ slime's names (:func:`plugin_args`). The call sites, in both backends unless not
   per-sample values, for grpo/gspo slime's group-normalised rewards; ``raw_reward``;
   ``log_probs``: the policy's before this rollout's updates; ``ref_log_probs`` with
   ``--use-kl-loss``; ``rollout_log_probs``; ``loss_masks``; ``response_lengths``;
-  ``total_lengths``; ``kl``: zeros, as slime's with ``--kl-coef 0``). It must set
+  ``total_lengths``; ``kl``: zeros, as slime's with ``--kl-coef 0``; for ``--agent-env`` episodes,
+  ``turns``: each sample's turn log, spans relative to the response (``buffer.agent_turns``):
+  ``{"kind", "start", "end", "weight_versions", "reward"}`` per turn, so a hook can give each model
+  turn its own credit). It must set
   ``rollout_data["advantages"]`` (one per-token tensor per sample); ``--normalize-advantages``
   whitens them afterwards, as in slime.
 - ``--custom-loss-function-path`` (``--loss-type custom_loss``) ``fn(args, batch, logits,
@@ -69,6 +72,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from buffer.agent_turns import AGENT_TURNS, turns_for_training
 from buffer.sample import Status
 from train_backend.losses import ImportanceFn, LossDenominators, ReducerFn, whiten_advantages
 from train_backend.settings import TrainSettings
@@ -247,6 +251,8 @@ class TrainHooks:
         }
         if ref is not None:
             data["ref_log_probs"] = [torch.tensor(x, dtype=f32) for x in ref]
+        if any(s.metadata.get(AGENT_TURNS) for s in samples):  # turn-level credit for --agent-env episodes
+            data["turns"] = [turns_for_training(s) for s in samples]
         return data
 
     def _call_advantage(self, data: dict[str, Any], samples: list) -> list[list[float]]:

@@ -1,0 +1,66 @@
+"""The built-in agent environment (plugins/python_env.py): code found in a reply runs in the sandbox,
+its answer comes back as a tool message; a reply without code ends the episode. Then a whole
+episode through the agent loop, with the instant engine calling the tool every turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+from _fixtures_rollout import running_manager, toy_argv
+from transformers import AutoTokenizer
+
+from buffer.sample import Sample, Status
+from plugins.python_env import PYTHON_TOOL, PythonToolEnv, as_cell, extract_code
+from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks
+
+
+def test_extract_code_and_cell():
+    assert extract_code("let me see\n```python\nx = 6\nprint(x * 7)\n```\ndone") == "x = 6\nprint(x * 7)\n"
+    assert extract_code("<code>1+1</code> then <code>37*48</code>") == "37*48"
+    assert extract_code("The answer is 1776.") is None
+    assert as_cell("x = 6\nx * 7") == "x = 6\nprint(x * 7)" and as_cell("y = 1") == "y = 1"
+    assert as_cell("1 +") == "1 +"  # left for the sandbox to report
+
+
+def test_step_runs_code_and_ends_on_an_answer():
+    env = PythonToolEnv(answer_reward=True)
+    sample = Sample(prompt="37*48=", label="1776")
+
+    async def go():
+        messages, tools = await env.start(sample)
+        ran = await env.step(sample, "<code>37*48</code>")
+        failed = await env.step(sample, "<code>1/0</code>")
+        right = await env.step(sample, "1776")
+        wrong = await env.step(sample, "1777")
+        return messages, tools, ran, failed, right, wrong
+    messages, tools, ran, failed, right, wrong = asyncio.run(go())
+    assert [m["role"] for m in messages] == ["system", "user"] and messages[1]["content"] == "37*48="
+    assert tools == [PYTHON_TOOL]
+    assert ran[:3] == ([{"role": "tool", "content": "1776"}], False, None)
+    assert ran[3]["tool_calls"] == 1 and ran[3]["tool_errors"] == 0 and ran[3]["tool_time_s"][0] > 0
+    assert failed[0] == [{"role": "tool", "content": "ZeroDivisionError: division by zero"}]
+    assert failed[3]["tool_errors"] == 1
+    assert right[:3] == ([], True, 1.0) and wrong[:3] == ([], True, 0.0)
+
+
+def test_episode_with_the_python_tool(toy_model_dir):
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    ids = tok("<code>6*7</code>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    async def go():
+        argv = toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "1",
+                        "--engine-extra-args", f"--output-ids {','.join(map(str, ids))}",
+                        "--agent-env", "plugins.python_env.make_env", "--agent-max-turns", "3",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "1", "--rollout-max-response-len", "400")
+        async with running_manager(argv) as m:
+            return await m.generate(0)
+    groups, metrics = asyncio.run(go())
+    for s in groups[0]:
+        assert s.status == Status.COMPLETED and s.loss_mask == turn_masks(s)
+        state, turns = s.metadata[AGENT_STATE], s.metadata[AGENT_TURNS]
+        assert state["end_reason"] == "max_turns" and state["tool_calls"] == 3 and state["tool_errors"] == 0
+        assert [m["content"] for m in state["messages"] if m["role"] == "tool"] == ["42", "42"]  # the third ran, unseen
+        assert [t["kind"] for t in turns] == ["model", "env", "model", "env", "model"]
+        assert "42" in tok.decode(s.tokens[turns[1]["start"]:turns[1]["end"]])
+    assert metrics["rollout/agent/tool_calls"] == 6 and metrics["rollout/agent/tool_errors"] == 0
+    assert metrics["rollout/agent/tool_time_p95_s"] > 0 and "rollout/agent/loop_lag_p95_s" in metrics
