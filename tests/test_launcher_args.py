@@ -30,6 +30,7 @@ def test_all_parts_compose_without_clashes(base):
 def test_tis_is_on_by_default_exactly_in_async_mode(base, extra, use_tis):
     args, settings = parse(base + extra)
     assert settings.train.use_tis is use_tis
+    assert args.use_tis is use_tis  # what plugins read (slime's args.use_tis)
 
 
 @pytest.mark.parametrize("extra,msg", [

@@ -41,8 +41,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     norm_length = args.loss_agg_norm_length
     if norm_length is None and args.loss_agg == "seq_mean_token_sum_norm":
         norm_length = args.rollout_max_response_len  # Dr. GRPO divides by the generation budget
-    return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, use_tis=use_tis_by_default(args),
-                     plugin_args=plugin_namespace(args))
+    args.use_tis = use_tis_by_default(args)  # plugins (and mis.yaml's check) see the value in use, not None
+    return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args))
 
 
 def use_tis_by_default(args: argparse.Namespace) -> bool:
