@@ -1,5 +1,5 @@
 """Peer comparison (issues 7, 30): the toy task under TRL's GRPOTrainer and under Reservoir (sync,
-async, async + TIS), same model, lr schedule, batch, samples per prompt, generation length and eval
+async: its default, TIS on; async_tis: --use-tis named; async_no_tis: --no-use-tis), same model, lr schedule, batch, samples per prompt, generation length and eval
 set, each mode over several seeds, interleaved (seed 1: every mode, then seed 2, ...; the mode order
 rotates per seed) so that a slow stretch of the machine does not land on one mode.
 
@@ -101,8 +101,10 @@ def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: in
            "--no-plots", "--seed", str(seed)]
     if mode.startswith("async"):
         cmd += ["--max-weight-staleness", "1"]
-    if mode == "async_tis":  # every group is one version behind in async mode: slime's off-policy correction
+    if mode == "async_tis":  # async's default since issue 30; named, for runs of trees before it
         cmd += ["--use-tis"]
+    if mode == "async_no_tis":  # async without the off-policy correction (its default turned off)
+        cmd += ["--no-use-tis"]
     metrics = out / "run" / "metrics.jsonl"
     t_launch = time.time()
     with open(out / "stdout.log", "w") as log:

@@ -16,7 +16,9 @@ within one invocation; ``--variant NAME=FLAGS`` adds runs of this tree with extr
 driver's steps (the top functions).
 
 Per run: the median over the steps after ``--warmup`` of each part; over runs: the median, and
-the min and max as the spread. Writes ``bench/results/step_overhead.json`` (``ratio``: the
+the min and max as the spread. ``startup_cpu/...``: the CPU seconds each kind of process of the run
+(driver, Ray's own, each actor, the engines) had used by the end of the first step, a start-up
+measure that a loaded machine disturbs far less than wall time (start-up on 2 cores is CPU-bound). Writes ``bench/results/step_overhead.json`` (``ratio``: the
 baseline's median step time / this tree's).
 """
 
@@ -54,6 +56,46 @@ OUTSIDE = (("rollout_call_outside_manager", "generate", "perf/rollout_push_time"
 
 
 # --- the child: one run, spans recorded -------------------------------------------------------
+def _process_kind(pid: int, cmdline: list[str]) -> str:
+    """What a process of the run is, for the CPU account: a Ray worker by its actor (``ray::Name``),
+    an engine, a Python script or module by name, else the executable's name."""
+    if pid == os.getpid():
+        return "driver"
+    if cmdline[0].startswith("ray::"):
+        return cmdline[0].split(".")[0].split()[0]
+    if "embedded_engine" in cmdline:
+        return "embedded_engine"
+    for i, arg in enumerate(cmdline[1:], 1):
+        if arg == "-m" and i + 1 < len(cmdline):
+            return cmdline[i + 1]
+        if arg.endswith(".py"):
+            return Path(arg).name
+    return Path(cmdline[0]).name
+
+
+def _session_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each kind of process in this process's session
+    (the driver, Ray's processes and workers, the engines and the router all live in it), summed:
+    on a few cores start-up is bound by this total, which the load of a shared machine changes far
+    less than it changes wall times. Processes that already exited are not counted."""
+    sid, tick = os.getsid(0), os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_text().split("\0")
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3
+        if int(fields[3]) != sid or not cmdline[0]:
+            continue
+        kind = _process_kind(int(entry.name), cmdline)
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -> None:
     t_spawn = float(os.environ["STEP_OVERHEAD_SPAWN"])
     t_main = time.time()
@@ -84,6 +126,15 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
 
     for name in STARTUP_SPANS + STEP_SPANS + ("finish",):
         wrap(name)
+    startup_cpu: dict[str, float] = {}
+    log_step = components.Run.log_step
+
+    def log_step_then_account(self, *a, **k):
+        result = log_step(self, *a, **k)
+        if not startup_cpu:  # the first step's log: start-up and one step done
+            startup_cpu.update(_session_cpu())
+        return result
+    components.Run.log_step = log_step_then_account
     # the start-up's inner parts (imported by the methods at call time, so patched in their modules)
     import buffer
     import rollout_manager.actor
@@ -133,7 +184,8 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     out.write_text(json.dumps({"spawn": t_spawn, "main": t_main, "marks": {k: v for k, v in marks.items()
                                                                              if isinstance(v, float)},
-                               "spans": spans, "rows": [r for r in rows if "train/step_time_s" in r]}))
+                               "spans": spans, "rows": [r for r in rows if "train/step_time_s" in r],
+                               "startup_cpu": startup_cpu}))
 
 
 # --- the parent: runs, medians --------------------------------------------------------------
@@ -152,7 +204,8 @@ def _run_once(tree: Path, steps: int, work: Path, profile: bool, extra: list[str
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--steps", str(steps),
            "--work", str(work)] + (["--profile"] if profile else []) + [f"--extra={shlex.join(extra)}"]
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    # a session of its own: the CPU account (_session_cpu) counts the run's processes alone
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, start_new_session=True)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"run in {tree} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -179,6 +232,10 @@ def summarize(child: dict, warmup: int) -> dict[str, float]:
                                                   - sp["create_rollout_manager_actor"][0])
     if sp.get("finish"):
         out["teardown/finish_s"] = sp["finish"][0]
+    cpu = child.get("startup_cpu") or {}
+    out.update({f"startup_cpu/{kind}_s": v for kind, v in cpu.items()})
+    if cpu:
+        out["startup_cpu/total_s"] = sum(cpu.values())
     rows = child["rows"][warmup:]
     n = len(child["rows"])
 

@@ -223,6 +223,13 @@ class EngineFleet:
         return e.rollout_num_engines
 
     async def start(self) -> None:
+        """Launch the engines, wait until they answer, register them with the router."""
+        await self.spawn()
+        await self.join()
+
+    async def spawn(self) -> None:
+        """Start the engine processes (or take the ``--engine-urls``) without waiting for them: the
+        caller may start the router meanwhile, then :meth:`join`."""
         e = self.settings.engines
         if e.engine_urls:
             self.engines = [ManagedEngine(i, normalize_url(u), None) for i, u in enumerate(e.engine_urls)]
@@ -240,6 +247,11 @@ class EngineFleet:
             except BaseException:
                 await self.stop()
                 raise
+
+    async def join(self) -> None:
+        """Wait until the spawned engines answer, register them with ``self.router``, read their
+        weight version and start the monitor (``stop`` ends them on failure)."""
+        e = self.settings.engines
         try:
             await asyncio.gather(*(self._wait_healthy(eng, e.engine_startup_timeout) for eng in self.engines))
             if e.engine_urls:  # they outlive runs: one whose trainer died inside a push left them paused
@@ -333,7 +345,7 @@ class EngineFleet:
                                        f"see {eng.log_path}")
                 if await c.health(timeout=2):
                     return
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.05)  # a refused connection costs little; start-up waits on this
         raise RuntimeError(f"engine {eng.index} at {eng.url} not healthy within {timeout:.0f}s; see {eng.log_path}")
 
     async def _read_version(self, eng: ManagedEngine) -> int | None:

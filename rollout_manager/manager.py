@@ -215,14 +215,21 @@ class RolloutManager:
             self._start_context(client=None, dispatcher=None, engines=1)
             return
         e = self.settings.engines
-        if e.sglang_router_ip is not None:
-            self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
-        else:
-            self.router = Router.start(log_path=f"{self.log_dir}/router.log", policy=e.router_policy,
-                                       health_check_interval=e.health_check_interval, extra_args=e.router_args)
-        self.fleet = EngineFleet(self.settings, self.router, self.log_dir)
+        self.fleet = EngineFleet(self.settings, None, self.log_dir)
+        await self.fleet.spawn()  # the engines load their model while the router starts
         try:
-            await self.fleet.start()
+            if e.sglang_router_ip is not None:
+                self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
+            else:  # a process and a wait for its port: off the loop
+                self.router = await asyncio.to_thread(
+                    Router.start, log_path=f"{self.log_dir}/router.log", policy=e.router_policy,
+                    health_check_interval=e.health_check_interval, extra_args=e.router_args)
+        except BaseException:
+            await self.fleet.stop()
+            raise
+        self.fleet.router = self.router
+        try:
+            await self.fleet.join()
             self.teacher = await Teacher.start(self.settings, self.log_dir)  # on-policy distillation's, if any
         except BaseException:
             await self.fleet.stop()

@@ -334,8 +334,8 @@ class RolloutLoopSettings:
     the defaults for a standalone run and says why). No section of its own: each entry point adds
     these flags to its own."""
 
-    ray_address: str | None = flag(None, "join this Ray cluster ('auto': the one running on this machine; "
-                                   "none: start a local one)")
+    ray_address: str | None = flag(None, "join this Ray cluster ('auto': the one `ray start` began on this "
+                                   "machine; unset: $RAY_ADDRESS's, else a new local one)")
     num_rollout: int = flag(10, "rollout steps, one rollout batch each (the launcher trains on each)")
 
     def __post_init__(self) -> None:

@@ -422,12 +422,20 @@ def start_ray(address: str | None) -> None:
     authentication on (Ray's default when ``RAY_AUTH_MODE`` is unset; the token is
     ``~/.ray/auth_token``): its dashboard agent, which Ray always starts and which runs job
     submissions as shell commands, then refuses calls without the token. ``RAY_AUTH_MODE=disabled``
-    turns that off and is warned about."""
+    turns that off and is warned about.
+
+    No ``address`` and no ``RAY_ADDRESS`` (``ray job submit`` sets it): a new local cluster, as
+    ``--ray-address`` says. Ray's own ``None`` would first scan the machine's processes for a GCS and
+    join the cluster ``ray start`` (or any other run) last began here, which on a shared machine is
+    someone else's: from inside a network namespace its address does not answer and ``ray.init``
+    retries for minutes."""
     import ray
 
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         print("warning: RAY_AUTH_MODE=disabled: Ray's job agent accepts unauthenticated job submissions "
               "(shell commands) from anyone who can reach it; unset it to keep Ray's token auth on", flush=True)
+    if not address and not os.environ.get("RAY_ADDRESS"):
+        address = "local"
     ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=True,
              logging_level="WARNING")
 

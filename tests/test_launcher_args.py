@@ -2,7 +2,7 @@
 
 import pytest
 
-from scripts.arguments import build_parser, parse_args
+from scripts.arguments import build_parser, parse, parse_args
 
 
 @pytest.fixture()
@@ -18,6 +18,19 @@ def test_all_parts_compose_without_clashes(base):
     assert args.max_weight_staleness == 1 and args.update_weight_transport == "disk"
     flags = [o for a in build_parser()._actions for o in a.option_strings]
     assert len(flags) == len(set(flags))
+
+
+@pytest.mark.parametrize("extra,use_tis", [
+    ([], False),  # sync: the engines sampled from the weights being trained
+    (["--max-weight-staleness", "0"], False),
+    (["--max-weight-staleness", "1"], True),  # async: every group is a version behind, corrected by default
+    (["--max-weight-staleness", "2", "--no-use-tis"], False),
+    (["--use-tis"], True),
+])
+def test_tis_is_on_by_default_exactly_in_async_mode(base, extra, use_tis):
+    args, settings = parse(base + extra)
+    assert settings.train.use_tis is use_tis
+    assert args.use_tis is use_tis  # what plugins read (slime's args.use_tis)
 
 
 @pytest.mark.parametrize("extra,msg", [

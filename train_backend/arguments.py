@@ -2,7 +2,8 @@
 :class:`~train_backend.interfaces.TrainSettings`.
 
 Shared flags defined by the rollout manager and read here: ``--hf-checkpoint``,
-``--rollout-temperature``, ``--reward-key``, ``--seed``, ``--rollout-max-response-len``.
+``--rollout-temperature``, ``--reward-key``, ``--seed``, ``--rollout-max-response-len``; and the
+buffer's ``--max-weight-staleness`` (async mode), which turns ``--use-tis`` on by default.
 """
 
 from __future__ import annotations
@@ -40,7 +41,19 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     norm_length = args.loss_agg_norm_length
     if norm_length is None and args.loss_agg == "seq_mean_token_sum_norm":
         norm_length = args.rollout_max_response_len  # Dr. GRPO divides by the generation budget
+    args.use_tis = use_tis_by_default(args)  # plugins (and mis.yaml's check) see the value in use, not None
     return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args))
+
+
+def use_tis_by_default(args: argparse.Namespace) -> bool:
+    """``--use-tis`` as given, else on exactly when the trainer consumes off-policy groups (async mode,
+    ``--max-weight-staleness`` > 0). The old log-probs of the PPO ratio are the trainer's own, taken
+    at the weights it is about to update, so without TIS nothing weighs a group by how far the
+    policy moved since the engines sampled it: on the toy task async without it learned slower in
+    every seed and missed the target in some (bench/RESULTS.md, e2e)."""
+    if args.use_tis is not None:
+        return bool(args.use_tis)
+    return bool(getattr(args, "max_weight_staleness", None))
 
 
 def adopt_mis_config(args: argparse.Namespace) -> None:

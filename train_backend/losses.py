@@ -405,7 +405,7 @@ class LossConfig:
     kl_coef: float = _T.kl_coef
     kl_loss_type: str = _T.kl_loss_type
     entropy_coef: float = _T.entropy_coef
-    use_tis: bool = _T.use_tis
+    use_tis: bool = False  # TrainSettings' None (decided by the mode when built from flags) is off in code
     tis_cap: float = _T.tis_cap
     tis_clip_low: float = _T.tis_clip_low
     get_mismatch_metrics: bool = _T.get_mismatch_metrics
@@ -459,7 +459,8 @@ def rl_loss(cfg: LossConfig, denom: LossDenominators, logp: Tensor, old_logp: Te
     pg_mask = m  # the numerators' tokens: a custom TIS function may reject some
     if cfg.use_tis or cfg.get_mismatch_metrics:
         if not has_rollout or bool((rollout_mask[m > 0] == 0).any()):
-            flag = "--use-tis" if cfg.use_tis else "--get-mismatch-metrics"
+            flag = "--use-tis (on by default in async mode; --no-use-tis trains without it)" if cfg.use_tis \
+                else "--get-mismatch-metrics"
             raise ValueError(f"{flag} needs rollout_log_probs on every trained sample")
         if importance is None:
             weighted, pg_mask, tis_stats = truncated_is(pg, old_logp, rollout_logp, m, seq_ids, num_seqs,

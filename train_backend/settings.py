@@ -150,7 +150,10 @@ class TrainSettings:
                                 "--hf-checkpoint)")
     entropy_coef: float = flag(0.0, "weight of the entropy bonus (subtracted from the loss)")
     # truncated importance sampling against the engine's log-probs
-    use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
+    use_tis: bool | None = flag(None, "truncated importance sampling against the engine's log-probs (default: on "
+                                "in async mode, --max-weight-staleness > 0, where every group is a version or more "
+                                "behind the weights it trains; off in sync mode; --no-use-tis turns it off; "
+                                "docs/mismatch.md)")
     tis_cap: float = flag(2.0, "cap of the TIS weight (--tis-function vanilla and icepop)", name="--tis-clip")
     tis_clip_low: float = flag(0.0, "lower bound of the TIS weight (slime's; 0: none; vanilla and icepop)")
     get_mismatch_metrics: bool = flag(False, "log the train/rollout mismatch metrics of TIS (tis, tis_abs, "
@@ -209,6 +212,8 @@ class TrainSettings:
                                "hf/{rollout_id}")
 
     def __post_init__(self) -> None:
+        if self.use_tis is None:  # built in code: off (from flags, train_backend.arguments.use_tis_by_default decides)
+            self.use_tis = False
         self.validate()
 
     def validate(self) -> None:
