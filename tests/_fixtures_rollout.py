@@ -73,6 +73,19 @@ async def wait_inflight(manager: RolloutManager, n: int, settle: float = 0.15, t
     await asyncio.sleep(settle)
 
 
+async def push_during_pause(manager: RolloutManager, version: str = "1") -> None:
+    """What the trainer's push does to the rollout: pause the manager (partial rollout aborts what is
+    in flight), move every engine to weight version ``version`` (no weights on disk: the engines
+    used here only take the version), resume."""
+    from sglang_protocol.client import EngineClient
+
+    await manager.pause()
+    for url in manager.engine_urls:
+        async with EngineClient(url, timeout=10) as c:
+            await c.update_weights_from_disk("unused", weight_version=version)
+    await manager.resume()
+
+
 async def half_broken_generate(args, sample, sampling_params):
     """A custom generate that leaves odd samples half-written and raises (a plugin bug)."""
     from rollout_manager.generate import generate

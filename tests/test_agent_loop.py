@@ -9,14 +9,13 @@ import copy
 
 import pytest
 from _fixtures_agent import SEEN, TURN_REWARD, reset_seen, wait_steps
-from _fixtures_rollout import make_args, running_manager, toy_argv
+from _fixtures_rollout import make_args, push_during_pause, running_manager, toy_argv
 from transformers import AutoTokenizer
 
 from buffer.arrow import groups_to_record_batch, record_batch_to_groups
 from buffer.sample import Status, check_sample
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks, turns_for_training
 from rollout_manager.manager import RolloutManager
-from sglang_protocol.client import EngineClient
 
 INSTANT = ["--rollout-engine", "instant", "--rollout-num-engines", "1", "--health-check-interval", "0.5"]
 
@@ -132,11 +131,7 @@ def test_pause_inside_turn_two_keeps_turn_one(toy_model_dir):
             while len(step.inflight) < 2:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.15)  # the requests reach the engine (as wait_inflight settles)
-            await m.pause()
-            for url in m.engine_urls:
-                async with EngineClient(url, timeout=10) as c:
-                    await c.update_weights_from_disk("unused", weight_version="1")
-            await m.resume()
+            await push_during_pause(m)
             return await asyncio.wait_for(task, 30)
     groups, metrics = asyncio.run(go())
     assert metrics["rollout/aborted_requests"] == 2

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from _fixtures_rollout import running_manager, toy_argv, wait_inflight
+from _fixtures_rollout import push_during_pause, running_manager, toy_argv, wait_inflight
 
 from buffer.sample import Status, check_group
 from sglang_protocol.client import EngineClient
@@ -98,11 +98,7 @@ def test_partial_rollout_across_weight_update(toy_model_dir):
         async with running_manager(argv) as m:
             task = asyncio.ensure_future(m.generate(0))
             await wait_inflight(m, 6)
-            await m.pause()
-            for url in m.engine_urls:
-                async with EngineClient(url, timeout=10) as c:
-                    await c.update_weights_from_disk("unused", weight_version="1")
-            await m.resume()
+            await push_during_pause(m)
             return await asyncio.wait_for(task, 30)
     for mask in (False, True):
         groups, metrics = asyncio.run(go(mask))
