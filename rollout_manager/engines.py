@@ -265,7 +265,7 @@ class EngineFleet:
         if self._use_ray():
             from rollout_manager.placement import place_engine_hosts
             gpus = e.rollout_num_gpus_per_engine if e.rollout_num_gpus else 0
-            self._pg, hosts = place_engine_hosts(len(hosts), gpus, e.engine_startup_timeout)
+            self._pg, hosts = place_engine_hosts(len(hosts), gpus, e.engine_startup_timeout, e.ray_resources())
         taken: dict[str, set[int]] = {}  # ports handed out so far, per node
         engines = []
         for i, host in enumerate(hosts):

@@ -114,6 +114,7 @@ class Run:
 
     def _start_ray(self) -> None:
         """Every mode needs Ray: the trainer ranks are actors too (--debug-train-only included)."""
+        token_auth_to_join(self.s.ray_address)  # before Ray is imported (start_ray's doc)
         import ray
 
         if not ray.is_initialized():
@@ -131,11 +132,12 @@ class Run:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
         # (the rollout manager makes the logs directory once its plugins and prompts loaded)
-        here = {}
-        if self.s.colocate:  # its engines are local subprocesses: on this node, with the trainer ranks
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-            here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                          soft=False)}
+        # On this node: it writes the engine logs and events into --output-dir, which is this node's
+        # disk; its router listens on loopback; with --colocate its engines are local subprocesses,
+        # beside the trainer ranks. (Engines placed by Ray run where their bundles are.)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                      soft=False)}
         rs = self.settings.rollout
         rs = dataclasses.replace(rs, engines=dataclasses.replace(rs.engines, **self._weight_update_access()))
         self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()), **here)
@@ -422,7 +424,11 @@ def start_ray(address: str | None) -> None:
     authentication on (Ray's default when ``RAY_AUTH_MODE`` is unset; the token is
     ``~/.ray/auth_token``): its dashboard agent, which Ray always starts and which runs job
     submissions as shell commands, then refuses calls without the token. ``RAY_AUTH_MODE=disabled``
-    turns that off and is warned about."""
+    turns that off and is warned about. Joining a running cluster (``--ray-address``, or
+    ``RAY_ADDRESS``) sends this node's token: Ray 2.60's ``ray start --head`` turns token auth on,
+    but a client joining it would not send one unless ``RAY_AUTH_MODE`` says ``token`` (set here
+    when unset, by :func:`token_auth_to_join`; docs/multinode.md)."""
+    token_auth_to_join(address)
     import ray
 
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
@@ -430,6 +436,13 @@ def start_ray(address: str | None) -> None:
               "(shell commands) from anyone who can reach it; unset it to keep Ray's token auth on", flush=True)
     ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=True,
              logging_level="WARNING")
+
+
+def token_auth_to_join(address: str | None) -> None:
+    """Joining a running cluster (``address``, or ``RAY_ADDRESS``) with ``RAY_AUTH_MODE`` unset: set
+    it to ``token``. Ray reads it when first imported, so this runs before anything imports Ray."""
+    if (address or os.environ.get("RAY_ADDRESS")) and not os.environ.get("RAY_AUTH_MODE"):
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _side_by_side(calls: list[Callable[[], None]]) -> None:
