@@ -125,6 +125,7 @@ class Run:
         import ray
 
         from buffer import create_buffer
+        from buffer.interfaces import NAMESPACE
         from rollout_manager.actor import create_rollout_manager_actor
 
         bs = self.settings.buffer
@@ -140,7 +141,9 @@ class Run:
                                                                       soft=False)}
         rs = self.settings.rollout
         rs = dataclasses.replace(rs, engines=dataclasses.replace(rs.engines, **self._weight_update_access()))
-        self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()), **here)
+        # named, so that an operator's driver can reach its admin calls (add_engines, remove_engine)
+        self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()),
+                                                    name=f"{self.s.buffer_name}-rollout", namespace=NAMESPACE, **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
         if self.s.colocate and not self.s.debug_rollout_only and self.engine_urls:
             from weight_sync.engines import EngineMemory
@@ -272,12 +275,31 @@ class Run:
     def _push_weights(self, version: int) -> None:
         if not self.weight_sync_connected:
             return
+        self._follow_fleet()
         with self._timer(WEIGHT_SYNC_TIME.key):
             metrics = self.trainer.push_weights(version, die_in_push(version - 1))
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
         if self.engine_memory is not None:  # --colocate: the new weights are in; the KV cache comes back
             with self._timer("perf/resume_memory_time"):
                 self.engine_memory.resume()
+
+    def _follow_fleet(self) -> None:
+        """Engines added or removed since the last push (``add_engines`` / ``remove_engine`` on the
+        rollout manager): the push goes to the fleet of now, so a new engine has the current weights
+        before the router sends it anything (the fleet admits it only then)."""
+        import ray
+
+        from rollout_manager.engines import engine_gpus
+
+        if self.engine_memory is not None:  # --colocate: a fixed fleet, one engine per trainer GPU
+            return
+        urls = ray.get(self.rollout.engine_urls.remote())
+        if urls == self.engine_urls:
+            return
+        gpus = asyncio.run(engine_gpus(self.settings.rollout, urls))
+        self.trainer.set_weight_sync_engines(urls, gpus)
+        print(f"weight sync: the fleet has {len(urls)} engine(s) now: {', '.join(urls)}", flush=True)
+        self.engine_urls = urls
 
     @crash_point_after("after_save")
     def maybe_save(self, step: int) -> None:

@@ -29,7 +29,10 @@ def cluster_env(**extra: str) -> dict[str, str]:
     """The environment of everything that joins the cluster (nodes, the launcher, state queries):
     token auth on, read by Ray when it is imported."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RESERVOIR_CRASH_AT")}
-    env.update(RAY_AUTH_MODE="token", RAY_DISABLE_USAGE_STATS="1", PYTHONUNBUFFERED="1", **extra)
+    # RAY_memory_monitor_refresh_ms=0: Ray's OOM killer off. It counts the whole machine's memory, and
+    # on a box shared with other jobs it killed these tiny runs' actors (at 95% used by others)
+    env.update(RAY_AUTH_MODE="token", RAY_DISABLE_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               RAY_memory_monitor_refresh_ms="0", **extra)
     return env
 
 

@@ -4,7 +4,7 @@ joined with ``--ray-address`` as on a real cluster (docs/multinode.md):
 - head, 127.0.0.1, 1 CPU: the launcher (driver), the rollout manager and its router, one trainer
   rank (the buffer, unpinned without ``--save``, goes where Ray puts it: it ran on 127.0.0.2);
 - 127.0.0.2, 1 CPU: the other trainer rank (``--actor-num-nodes 2``: one rank per node);
-- 127.0.0.3, no CPU, custom resource ``rollout: 2``: both engines
+- 127.0.0.3, no CPU, custom resource ``rollout: 3``: the engines
   (``--rollout-engine-ray-resources rollout=1``), so no trainer rank can land there.
 
 The trainer's gloo group spans the head and 127.0.0.2, the weight-update group rank 0's node and
@@ -37,13 +37,14 @@ def cluster(tmp_path_factory):
     try:
         nodes.start(HEAD, num_cpus=1)
         nodes.start(TRAINER_NODE, num_cpus=1)
-        nodes.start(ENGINE_NODE, num_cpus=0, resources={"rollout": 2})
+        nodes.start(ENGINE_NODE, num_cpus=0, resources={"rollout": 3})  # up to 3 engines (the elastic case)
         yield nodes
     finally:
         nodes.stop()
 
 
-def launcher(model: Path, out: Path, address: str, steps: int, *extra: str, engines: int = 2) -> subprocess.Popen:
+def launcher(model: Path, out: Path, address: str, steps: int, *extra: str, engines: int = 2,
+             env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(ROOT / "examples/toy/grpo_cpu.yaml"),
            "--hf-checkpoint", str(model), "--prompt-data", str(model / "data/train.jsonl"),
            "--eval-prompt-data", str(model / "data/eval.jsonl"), "--no-build-toy-model", "--no-plots",
@@ -55,7 +56,7 @@ def launcher(model: Path, out: Path, address: str, steps: int, *extra: str, engi
            "--num-rollout", str(steps), "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N),
            "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"), *extra]
     # the launcher's own environment carries no RAY_AUTH_MODE: it must turn token auth on itself
-    env = {k: v for k, v in cluster_env().items() if k != "RAY_AUTH_MODE"}
+    env = {**{k: v for k, v in cluster_env().items() if k != "RAY_AUTH_MODE"}, **(env or {})}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -139,3 +140,36 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
         assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-4000:]
         time.sleep(0.2)
 
+
+@pytest.mark.slow  # engines started while the run goes on: minutes on 2 cores
+def test_engines_added_and_removed_mid_run_serve_only_current_weights_and_every_group_trains_once(
+        toy_model_dir, tmp_path, cluster):
+    """An elastic fleet (issue 27): one engine at the start; two added by the rollout manager's
+    admin call once step 1 pushed (``grow``, scripts/faults.py: at an exact point of the schedule),
+    the first engine removed once step 3 pushed (``shrink``). Every sample of step k was generated
+    under weight version k (sync mode): no request reached a new engine before a push gave it the
+    current weights. The pushes follow the fleet (``weight_sync/engines``), each leaves the
+    engines exactly the trainer's weights (``--check-weight-update-equal``), the fleet size is
+    logged per step, and every group trains once."""
+    out, steps = tmp_path / "elastic", 6
+    proc = launcher(toy_model_dir, out, cluster.address, steps, "--health-check-interval", "0.5", engines=1,
+                    env={"RESERVOIR_CRASH_AT": "grow@after_push:1,shrink@after_push:3"})
+    stdout = finish(proc)
+    assert proc.returncode == 0, stdout[-6000:]
+    records = train_records(out)
+    assert [r["step"] for r in records] == list(range(steps))
+    fleet = [r["rollout/num_engines"] for r in records]
+    pushed = [r["weight_sync/engines"] for r in records]
+    serving = [r["rollout/engines_serving"] for r in records]
+    print(f"fleet per step: {fleet}; engines per push: {pushed}; in the router: {serving}")
+    # rollout k runs before push k. The engines added after push 1 are kept out of rollout 2 (they
+    # serve the initial weights); push 2 brings them to the current version, and the next monitor
+    # round lets them into the router (during rollout 3 or later: when is not fixed); after the
+    # shrink they are the fleet
+    assert fleet == [1, 1, 3, 3, 2, 2] and pushed == [1, 1, 3, 3, 2, 2], (fleet, pushed)
+    assert serving[:3] == [1, 1, 1] and serving[4:] == [2, 2], serving
+    assert all(r["weight_sync/check_s"] > 0 for r in records)
+    for step in range(steps):  # sync mode: every sample of step k generated under version k
+        versions = {v for g in read_parquet(out / f"dump_{step}.parquet") for s in g for v in s.weight_versions}
+        assert versions == {step}, (step, versions)
+    assert sorted(trained_groups(out, steps)) == list(range(steps * BATCH))

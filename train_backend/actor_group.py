@@ -273,6 +273,11 @@ class TrainerRank:
         self.sender = WeightSender(settings, version_sink=version_sink, post_write=post_write)
         self.sender.connect(engine_urls, engine_gpus)
 
+    def set_weight_sync_engines(self, engine_urls: list[str], engine_gpus: list[int]) -> None:
+        """Rank 0: the engines the next push goes to (an elastic fleet). Others: nothing."""
+        if self.sender is not None:
+            self.sender.set_engines(engine_urls, engine_gpus)
+
     def push_weights(self, version: int, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Gather the full weights (collective on every rank); rank 0 pushes them to the engines
         (``progress``: ``WeightSender.push``'s). Gathered completely before the push starts, so a
@@ -407,6 +412,10 @@ class TrainerGroup:
             version_sink = BufferVersionSink(version_sink, ray_timeout_s=settings.timeout_s)
         self._gather([self.ranks[0].connect_weight_sync.remote(settings, engine_urls, engine_gpus, version_sink)],
                      "connect_weight_sync")
+
+    def set_weight_sync_engines(self, engine_urls: list[str], engine_gpus: list[int]) -> None:
+        """The engines of an elastic fleet, for the next push (``WeightSender.set_engines``, on rank 0)."""
+        self._gather([self.ranks[0].set_weight_sync_engines.remote(engine_urls, engine_gpus)], "set_weight_sync_engines")
 
     def push_weights(self, version: int, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Every rank gathers the full weights; rank 0 pushes them; returns its push metrics.
