@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +44,11 @@ class RayNodes:
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
+        # Ray's temp root of these nodes (RAY_TMPDIR): a `ray start --head` records its address in
+        # <root>/ray/ray_current_cluster, and every later ray.init() on the machine without an
+        # address (other tests, other users' runs) would join it, dead or not. Short: Ray's unix
+        # socket paths live under it.
+        self.tmp = tempfile.mkdtemp(prefix="raynodes", dir="/tmp")
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
         with socket.socket() as s:  # the GCS port: any free one
@@ -59,7 +66,7 @@ class RayNodes:
         log = self.log_dir / f"node_{ip}.log"
         with open(log, "w") as out:
             proc = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *self.args[ip]],
-                                    env=cluster_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                    env=cluster_env(RAY_TMPDIR=self.tmp), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[ip] = proc
         deadline = time.monotonic() + _UP_S
         while "Ray runtime started" not in log.read_text():
@@ -84,6 +91,7 @@ class RayNodes:
         """End every node, the head last."""
         for ip in sorted(self.procs, reverse=True):
             self.kill(ip)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _session_pids(sid: int) -> list[int]:
