@@ -54,6 +54,16 @@ class RolloutManagerActor:
         """Per engine URL, how often the fleet restarted it (``RolloutManager.engine_restarts``)."""
         return self._m.engine_restarts()
 
+    async def add_engines(self, count: int) -> list[str]:
+        """Admin: start ``count`` more engines while the run goes on; their URLs. Each serves only
+        once a push gave it the current weights (the launcher pushes to the fleet's engines of the
+        moment). From another Ray driver: ``ray.get_actor(f"{buffer_name}-rollout", namespace="reservoir")``."""
+        return await self._m.add_engines(count)
+
+    async def remove_engine(self, url: str) -> None:
+        """Admin: take the engine at ``url`` out of the router and end it (its requests are retried on the others)."""
+        await self._m.remove_engine(url)
+
     async def router_url(self) -> str | None:
         """The router's base URL (http://host:port); None before ``start``."""
         return self._m.router_url

@@ -40,6 +40,7 @@ and through Ray placement alike (``child_environ``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shlex
@@ -84,10 +85,12 @@ class ManagedEngine:
     restarts: int = 0
     registered: bool = False
     host: Any = None  # the Ray EngineHost actor running it (Ray placement), else None
+    group: Any = None  # the placement group of it alone (an engine added while the run goes on), else None
     version: int | None = None  # the weight version it reported at the last check (None: unknown)
     restarting: asyncio.Task | None = None  # its restart, while one runs
     restarted: bool = False  # restarted and not yet back in the router
     held_at: int | None = None  # the fleet version it was last kept out for (logged once per version)
+    removed: bool = False  # taken out of the fleet (``EngineFleet.remove``): a monitor round in flight leaves it be
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ class EngineFleet:
         self.log_dir = Path(log_dir)
         self.engines: list[ManagedEngine] = []
         self._monitor: asyncio.Task | None = None
-        self._pg: Any = None  # the placement group (Ray placement)
+        self._pg: Any = None  # the placement group of the engines started with the fleet (Ray placement)
         self.events: list[str] = []  # what the monitor did, for the summary and tests
         # The weight version the registered engines serve (the highest one read in the last round
         # that read any); None until read. Kept while every engine is down.
@@ -211,6 +214,7 @@ class EngineFleet:
         self.rounds = 0  # completed monitor rounds (tests check the monitor kept running)
         self.router_restarts = 0  # times the monitor started a dead router again
         self.router_down = False  # a router given by --sglang-router-ip stopped answering (not ours to restart)
+        self._resizing = asyncio.Lock()  # one add / remove at a time (new engines are numbered after the others)
 
     @property
     def urls(self) -> list[str]:
@@ -265,22 +269,32 @@ class EngineFleet:
             raise
         self._monitor = asyncio.ensure_future(self._monitor_loop())
 
-    def plan(self) -> list[ManagedEngine]:
+    def plan(self, added: int = 0) -> list[ManagedEngine]:
         """The engines to start, none started yet: with Ray placement their hosts are placed first;
         each gets its ports (distinct among the engines of a node) and its command line. Blocks
-        on Ray calls: ``start`` runs it in a thread."""
+        on Ray calls: ``start`` runs it in a thread. ``added > 0``: that many engines more for a
+        running fleet (``add``), numbered after its engines, each in a placement group of its own
+        (so that removing it frees its resources)."""
         e = self.settings.engines
         if not self.settings.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required to start engines")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        hosts: list = [None] * self._count()
+        hosts: list = [None] * (added or self._count())
+        groups: list = [None] * len(hosts)
         if self._use_ray():
             from rollout_manager.placement import place_engine_hosts
             gpus = e.rollout_num_gpus_per_engine if e.rollout_num_gpus else 0
-            self._pg, hosts = place_engine_hosts(len(hosts), gpus, e.engine_startup_timeout)
+            place = functools.partial(place_engine_hosts, gpus_per_engine=gpus, timeout=e.engine_startup_timeout,
+                                      resources=e.ray_resources())
+            if added:
+                for i in range(added):
+                    groups[i], [hosts[i]] = place(1)
+            else:
+                self._pg, hosts = place(len(hosts))
         taken: dict[str, set[int]] = {}  # ports handed out so far, per node
         engines = []
-        for i, host in enumerate(hosts):
+        first = max((eng.index for eng in self.engines), default=-1) + 1 if added else 0
+        for i, host in zip(range(first, first + len(hosts)), hosts):
             ip = "127.0.0.1" if host is None else _ray_get(host.node_ip.remote())
             used = taken.setdefault(ip, set())
             ports = EnginePorts(_take_port(host, ip, used))
@@ -290,8 +304,70 @@ class EngineFleet:
                                     grpc_port=_take_port(host, ip, used, _SGLANG_PORT_BASE))
             cmd, env = engine_command(self.settings, i, ports, ip)
             engines.append(ManagedEngine(i, f"http://{_uri_host(ip)}:{ports.port}", cmd, env,
-                                         log_path=self.log_dir / f"engine_{i}.log", host=host))
+                                         log_path=self.log_dir / f"engine_{i}.log", host=host,
+                                         group=groups[i - first]))
         return engines
+
+    # --- an elastic fleet: engines added and removed while the run goes on ---------------------------
+    async def add(self, count: int) -> list[str]:
+        """Start ``count`` more engines; their URLs. They stay out of the router until they serve the
+        fleet's weight version (``_admit``): the next push reaches them first (the launcher hands the
+        trainer the fleet's URLs before each push), so no request meets the initial weights."""
+        if count < 1:
+            raise ValueError(f"count {count}: add at least one engine")
+        if self.settings.engines.engine_urls:
+            raise ValueError("--engine-urls: the fleet runs engines it did not start; it cannot add any")
+        async with self._resizing:
+            new = await asyncio.to_thread(self.plan, count)
+            try:
+                for eng in new:
+                    await asyncio.to_thread(self._spawn, eng)
+                await asyncio.gather(*(self._wait_healthy(eng, self.settings.engines.engine_startup_timeout)
+                                       for eng in new))
+                await asyncio.gather(*(self._read_version(eng) for eng in new))
+            except BaseException:
+                await asyncio.gather(*(self._end(eng) for eng in new), return_exceptions=True)
+                raise
+            self.engines = [*self.engines, *new]  # a new list: a monitor round keeps iterating the one it took
+        self.events.extend(f"engine {eng.index} added" for eng in new)
+        log.warning("added %d engine(s): %s; the fleet has %d", count, [eng.url for eng in new], len(self.engines))
+        return [eng.url for eng in new]
+
+    async def remove(self, url: str) -> None:
+        """Take the engine at ``url`` out of the router, then end it (requests it was serving fail and
+        are retried on the others, as when an engine dies). The last engine stays."""
+        async with self._resizing:
+            eng = next((x for x in self.engines if x.url == normalize_url(url)), None)
+            if eng is None:
+                raise ValueError(f"no engine at {url}; the fleet's engines: {self.urls}")
+            if len(self.engines) == 1:
+                raise ValueError(f"{url} is the fleet's last engine: add one before removing it")
+            eng.removed = True  # a monitor round in flight neither checks nor restarts it
+            self.engines = [x for x in self.engines if x is not eng]
+            if eng.restarting is not None:
+                eng.restarting.cancel()
+            if eng.registered:
+                await self.router.remove_worker(eng.url)
+                eng.registered = False
+            await self._end(eng)
+        self.events.append(f"engine {eng.index} removed from the fleet")
+        log.warning("removed engine %d at %s; the fleet has %d", eng.index, eng.url, len(self.engines))
+
+    async def _end(self, eng: ManagedEngine) -> None:
+        """End one engine's process (and its own placement group, if it has one)."""
+        def end() -> None:
+            if eng.process is not None and eng.process.poll() is None:
+                eng.process.terminate()
+                try:
+                    eng.process.wait(10)
+                except subprocess.TimeoutExpired:
+                    _kill_and_wait(eng.process)
+            if eng.group is not None:
+                from rollout_manager.placement import release
+                release(eng.group, [eng.host])
+                eng.group = None
+
+        await asyncio.to_thread(end)
 
     async def _continue(self, eng: ManagedEngine, timeout: float) -> None:
         """``/continue_generation`` on an engine this fleet did not start: a paused engine would hold
@@ -374,8 +450,9 @@ class EngineFleet:
         """One monitor round: check every engine, then admit the healthy ones that are out of the router
         and serve the fleet's weight version (in two phases, so the version is this round's)."""
         router_up = await self._check_router()
-        results = await asyncio.gather(*(self.check(eng) for eng in self.engines), return_exceptions=True)
-        for eng, r in zip(self.engines, results):
+        engines = self.engines  # this round's (add / remove put a new list in place meanwhile)
+        results = await asyncio.gather(*(self.check(eng) for eng in engines), return_exceptions=True)
+        for eng, r in zip(engines, results):
             if isinstance(r, Exception):  # keep monitoring; the next round retries
                 log.error("health check of engine %d failed: %s: %s", eng.index, type(r).__name__, r)
         self._note_versions([e.version for e in self.engines if e.registered and e.version is not None])
@@ -435,7 +512,7 @@ class EngineFleet:
     async def check(self, eng: ManagedEngine) -> None:
         """One health check of ``eng``: reads its weight version when healthy; removes it from the
         router when it is dead and starts its restart (``check_all`` adds it back)."""
-        if eng.restarting is not None:
+        if eng.restarting is not None or eng.removed:
             return
         exited = await self._exited(eng)
         if not exited:
@@ -454,7 +531,7 @@ class EngineFleet:
             await self.router.remove_worker(eng.url)
             eng.registered = False
             self.events.append(f"engine {eng.index} removed")
-        if eng.cmd is None or not self.settings.engines.restart_dead_engines:
+        if eng.cmd is None or not self.settings.engines.restart_dead_engines or eng.removed:
             return
         eng.restarting = asyncio.ensure_future(self._restart(eng))
 
@@ -504,10 +581,15 @@ class EngineFleet:
         await asyncio.gather(*tasks, return_exceptions=True)  # stopping: their last errors no longer matter
         self._monitor = None
         await asyncio.to_thread(self._end_processes)
+        from rollout_manager.placement import release
         if self._pg is not None:
-            from rollout_manager.placement import release
-            await asyncio.to_thread(release, self._pg, [eng.host for eng in self.engines if eng.host is not None])
+            await asyncio.to_thread(release, self._pg, [eng.host for eng in self.engines
+                                                        if eng.host is not None and eng.group is None])
             self._pg = None
+        for eng in self.engines:  # the engines added while the run went on: each its own group
+            if eng.group is not None:
+                await asyncio.to_thread(release, eng.group, [eng.host])
+                eng.group = None
 
     def _end_processes(self) -> None:
         for eng in self.engines:

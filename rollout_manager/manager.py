@@ -277,6 +277,21 @@ class RolloutManager:
         does not resume memory that a restarted engine never released)."""
         return {e.url: e.restarts for e in self.fleet.engines} if self.fleet is not None else {}
 
+    async def add_engines(self, count: int) -> list[str]:
+        """Start ``count`` more engines while the run goes on (``EngineFleet.add``); their URLs."""
+        if self.fleet is None:
+            raise RuntimeError("add_engines: the rollout manager has no engines (not started, or an SFT rollout)")
+        urls = await self.fleet.add(count)
+        self.args.rollout_num_engines = len(self.fleet.engines)  # what plugins read (slime's contract)
+        return urls
+
+    async def remove_engine(self, url: str) -> None:
+        """Take one engine out of the router and end it while the run goes on (``EngineFleet.remove``)."""
+        if self.fleet is None:
+            raise RuntimeError("remove_engine: the rollout manager has no engines (not started, or an SFT rollout)")
+        await self.fleet.remove(url)
+        self.args.rollout_num_engines = len(self.fleet.engines)
+
     def _need_started(self) -> RolloutContext:
         if self.ctx is None:
             raise RuntimeError("RolloutManager is not started: await start() first")
@@ -405,6 +420,10 @@ class RolloutManager:
         metrics["rollout/data_skipped_lines"] = float(len(getattr(self.data_report, "skipped", ())))
         if self.fleet is not None:
             metrics["rollout/engine_restarts"] = float(sum(e.restarts for e in self.fleet.engines))
+            # the fleet at the end of the step (it changes by add_engines / remove_engine), and the engines
+            # the router sends requests to (a new engine joins it once a push gave it the current weights)
+            metrics["rollout/num_engines"] = float(len(self.fleet.engines))
+            metrics["rollout/engines_serving"] = float(sum(e.registered for e in self.fleet.engines))
         if self.rollout_log_fn is not None:
             samples = [s for g in groups for s in g]
             if self._log_hook("--custom-rollout-log-function-path", self.rollout_log_fn, rollout_id, self.args,

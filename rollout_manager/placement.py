@@ -85,13 +85,19 @@ class RayProcess:
         return code
 
 
-def place_engine_hosts(num_engines: int, gpus_per_engine: int, timeout: float) -> tuple[Any, list[Any]]:
-    """Reserve one bundle per engine (``gpus_per_engine`` GPUs each; 0 on CPU) and start a host in each."""
+def place_engine_hosts(num_engines: int, gpus_per_engine: int, timeout: float,
+                       resources: dict[str, float] | None = None) -> tuple[Any, list[Any]]:
+    """Reserve one bundle per engine (``gpus_per_engine`` GPUs each; 0 on CPU) and start a host in each.
+    ``resources`` (``--rollout-engine-ray-resources``): custom Ray resources each bundle asks for too,
+    so that the engines go to the nodes started with them (``ray start --resources``)."""
     if not ray.is_initialized():
         raise RuntimeError("--rollout-engine-placement ray needs Ray initialised (ray.init) in this process")
     # A CPU-only bundle still needs some resource; a sliver of a CPU keeps CPU engines schedulable
     # next to trainers that take whole cores (the engines' own threads are not Ray-accounted).
-    bundle = {"GPU": gpus_per_engine, "CPU": 1} if gpus_per_engine else {"CPU": 0.01}
+    # Custom resources take the sliver's place: a node that offers them and no CPU (engines only,
+    # no trainer rank) can then take the bundle.
+    resources = resources or {}
+    bundle = {"GPU": gpus_per_engine, "CPU": 1, **resources} if gpus_per_engine else (resources or {"CPU": 0.01})
     pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=timeout)

@@ -78,6 +78,10 @@ class EngineFleetSettings:
     rollout_engine_placement: str = flag("auto", "local subprocesses, or Ray placement groups (one bundle of GPUs per "
                                          "engine); auto: Ray when --rollout-num-gpus > 0",
                                          choices=("auto", "local", "ray"))
+    rollout_engine_ray_resources: list[str] = flag(
+        help="NAME=AMOUNT Ray resources each engine's placement bundle asks for besides its GPUs, to keep the "
+             "engines on the nodes started with them (ray start --resources); on the CPU they replace the "
+             "sliver of a CPU a bundle takes (Ray placement only)", default_factory=list)
     engine_urls: list[str] = flag(help="running SGLang-compatible servers to use instead of starting engines",
                                   default_factory=list)
     engine_extra_args: str = flag("", "extra flags for each embedded (or instant) engine, as one string (its "
@@ -106,10 +110,26 @@ class EngineFleetSettings:
     weight_update_dirs: list[str] = field(default_factory=list)
     weight_update_masters: list[str] = field(default_factory=list)
 
+    def ray_resources(self) -> dict[str, float]:
+        """``rollout_engine_ray_resources`` as ``{name: amount}``; a ``SettingError`` when an item is malformed."""
+        out: dict[str, float] = {}
+        for item in self.rollout_engine_ray_resources:
+            name, _, amount = (part.strip() for part in item.partition("="))
+            try:
+                out[name] = float(amount)
+            except ValueError:
+                out[name] = 0.0
+            if not name or not out[name] > 0:
+                raise SettingError("rollout_engine_ray_resources",
+                                   f"{{rollout_engine_ray_resources}} {item!r}: expected NAME=AMOUNT, AMOUNT > 0 "
+                                   "(e.g. rollout=1)")
+        return out
+
     def __post_init__(self) -> None:
         check_bound(self, ">", 0, "rollout_num_engines", "rollout_num_gpus_per_engine", "engine_startup_timeout",
                     "health_check_interval", "health_check_timeout")
         check_bound(self, ">=", 0, "rollout_num_gpus")
+        self.ray_resources()  # a malformed NAME=AMOUNT fails here, naming the flag
         if (self.sglang_router_ip is None) != (self.sglang_router_port is None):
             raise SettingError(("sglang_router_ip", "sglang_router_port"),
                                "{sglang_router_ip} and {sglang_router_port} go together")

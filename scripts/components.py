@@ -114,6 +114,7 @@ class Run:
 
     def _start_ray(self) -> None:
         """Every mode needs Ray: the trainer ranks are actors too (--debug-train-only included)."""
+        token_auth_to_join(self.s.ray_address)  # before Ray is imported (start_ray's doc)
         import ray
 
         if not ray.is_initialized():
@@ -124,6 +125,7 @@ class Run:
         import ray
 
         from buffer import create_buffer
+        from buffer.interfaces import NAMESPACE
         from rollout_manager.actor import create_rollout_manager_actor
 
         bs = self.settings.buffer
@@ -131,14 +133,17 @@ class Run:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
         self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
         # (the rollout manager makes the logs directory once its plugins and prompts loaded)
-        here = {}
-        if self.s.colocate:  # its engines are local subprocesses: on this node, with the trainer ranks
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-            here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                          soft=False)}
+        # On this node: it writes the engine logs and events into --output-dir, which is this node's
+        # disk; its router listens on loopback; with --colocate its engines are local subprocesses,
+        # beside the trainer ranks. (Engines placed by Ray run where their bundles are.)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                      soft=False)}
         rs = self.settings.rollout
         rs = dataclasses.replace(rs, engines=dataclasses.replace(rs.engines, **self._weight_update_access()))
-        self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()), **here)
+        # named, so that an operator's driver can reach its admin calls (add_engines, remove_engine)
+        self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()),
+                                                    name=f"{self.s.buffer_name}-rollout", namespace=NAMESPACE, **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
         if self.s.colocate and not self.s.debug_rollout_only and self.engine_urls:
             from weight_sync.engines import EngineMemory
@@ -270,12 +275,31 @@ class Run:
     def _push_weights(self, version: int) -> None:
         if not self.weight_sync_connected:
             return
+        self._follow_fleet()
         with self._timer(WEIGHT_SYNC_TIME.key):
             metrics = self.trainer.push_weights(version, die_in_push(version - 1))
         self._pending.update({k if "/" in k else f"weight_sync/{k}": v for k, v in metrics.items()})
         if self.engine_memory is not None:  # --colocate: the new weights are in; the KV cache comes back
             with self._timer("perf/resume_memory_time"):
                 self.engine_memory.resume()
+
+    def _follow_fleet(self) -> None:
+        """Engines added or removed since the last push (``add_engines`` / ``remove_engine`` on the
+        rollout manager): the push goes to the fleet of now, so a new engine has the current weights
+        before the router sends it anything (the fleet admits it only then)."""
+        import ray
+
+        from rollout_manager.engines import engine_gpus
+
+        if self.engine_memory is not None:  # --colocate: a fixed fleet, one engine per trainer GPU
+            return
+        urls = ray.get(self.rollout.engine_urls.remote())
+        if urls == self.engine_urls:
+            return
+        gpus = asyncio.run(engine_gpus(self.settings.rollout, urls))
+        self.trainer.set_weight_sync_engines(urls, gpus)
+        print(f"weight sync: the fleet has {len(urls)} engine(s) now: {', '.join(urls)}", flush=True)
+        self.engine_urls = urls
 
     @crash_point_after("after_save")
     def maybe_save(self, step: int) -> None:
@@ -422,13 +446,17 @@ def start_ray(address: str | None) -> None:
     authentication on (Ray's default when ``RAY_AUTH_MODE`` is unset; the token is
     ``~/.ray/auth_token``): its dashboard agent, which Ray always starts and which runs job
     submissions as shell commands, then refuses calls without the token. ``RAY_AUTH_MODE=disabled``
-    turns that off and is warned about.
+    turns that off and is warned about. Joining a running cluster (``--ray-address``, or
+    ``RAY_ADDRESS``) sends this node's token: Ray 2.60's ``ray start --head`` turns token auth on,
+    but a client joining it would not send one unless ``RAY_AUTH_MODE`` says ``token`` (set here
+    when unset, by :func:`token_auth_to_join`; docs/multinode.md).
 
     No ``address`` and no ``RAY_ADDRESS`` (``ray job submit`` sets it): a new local cluster, as
     ``--ray-address`` says. Ray's own ``None`` would first scan the machine's processes for a GCS and
     join the cluster ``ray start`` (or any other run) last began here, which on a shared machine is
     someone else's: from inside a network namespace its address does not answer and ``ray.init``
     retries for minutes."""
+    token_auth_to_join(address)
     import ray
 
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
@@ -438,6 +466,13 @@ def start_ray(address: str | None) -> None:
         address = "local"
     ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=True,
              logging_level="WARNING")
+
+
+def token_auth_to_join(address: str | None) -> None:
+    """Joining a running cluster (``address``, or ``RAY_ADDRESS``) with ``RAY_AUTH_MODE`` unset: set
+    it to ``token``. Ray reads it when first imported, so this runs before anything imports Ray."""
+    if (address or os.environ.get("RAY_ADDRESS")) and not os.environ.get("RAY_AUTH_MODE"):
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _side_by_side(calls: list[Callable[[], None]]) -> None:

@@ -4,7 +4,9 @@
 ``buffer@<point>:<step>`` (SIGKILL the buffer actor's process, then go on),
 ``trainer@<point>:<step>`` (kill the last trainer rank's process, then go on: the next trainer
 call fails), ``router@<point>:<step>`` and ``engine@<point>:<step>`` (SIGKILL the router, or
-engine 0, then go on: the fleet's monitor restarts it).
+engine 0, then go on: the fleet's monitor restarts it). Two drills of an elastic fleet change it
+there by the rollout manager's admin calls, then go on: ``grow@<point>:<step>`` adds two engines
+(returning once they answer), ``shrink@<point>:<step>`` removes the fleet's first engine.
 
 The points are the ends of the schedule's steps: ``after_get``, ``after_train``, ``after_push``
 and ``after_save``, each marked on its ``Run`` method by :func:`crash_point_after` (so the
@@ -21,7 +23,7 @@ import time
 from typing import Any, Callable
 
 CRASH_ENV = "RESERVOIR_CRASH_AT"
-TARGETS = ("", "buffer", "trainer", "router", "engine")  # "": the driver
+TARGETS = ("", "buffer", "trainer", "router", "engine", "grow", "shrink")  # "": the driver
 
 
 def crash_targets(point: str, step: int) -> list[str]:
@@ -34,7 +36,7 @@ def crash_targets(point: str, step: int) -> list[str]:
             continue
         if target not in TARGETS:
             raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} "
-                             "(buffer, trainer, router, engine, or none)")
+                             "(buffer, trainer, router, engine, grow, shrink, or none)")
         targets.append(target)
     return targets
 
@@ -48,8 +50,15 @@ def crash_point(run: Any, point: str, step: int) -> None:
     import ray
 
     for target in targets:
-        print(f"{CRASH_ENV}: SIGKILL {target or 'driver'} at {point} of step {step}", flush=True)
-        if target == "buffer":
+        if target in ("grow", "shrink"):
+            print(f"{CRASH_ENV}: {target} the engine fleet at {point} of step {step}", flush=True)
+        else:
+            print(f"{CRASH_ENV}: SIGKILL {target or 'driver'} at {point} of step {step}", flush=True)
+        if target == "grow":
+            ray.get(run.rollout.add_engines.remote(2))
+        elif target == "shrink":
+            ray.get(run.rollout.remove_engine.remote(ray.get(run.rollout.engine_urls.remote())[0]))
+        elif target == "buffer":
             os.kill(ray.get(run.buffer.ping.remote()), signal.SIGKILL)
         elif target == "trainer":
             kill_actor(run.trainer.ranks[-1])

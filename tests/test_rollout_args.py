@@ -64,6 +64,10 @@ def test_bad_flag_combinations_name_the_flags(argv, msg):
      "--rollout-max-prompt-len (64) must be below --rollout-max-context-len (64)"),
     (["--sglang-router-port", "1"], "--sglang-router-ip and --sglang-router-port go together"),
     (["--rm-type", "remote"], "--rm-type remote needs --rm-url (the reward model's address)"),
+    (["--rollout-engine-ray-resources", "rollout"],
+     "--rollout-engine-ray-resources 'rollout': expected NAME=AMOUNT, AMOUNT > 0 (e.g. rollout=1)"),
+    (["--rollout-engine-ray-resources", "rollout=1", "=2"],
+     "--rollout-engine-ray-resources '=2': expected NAME=AMOUNT, AMOUNT > 0 (e.g. rollout=1)"),
 ])
 def test_settings_errors_from_flags_name_the_declared_flag(argv, msg):
     """The settings classes' own checks, reached through the flags: the whole text, flags named."""
@@ -84,6 +88,13 @@ def test_settings_built_in_code_name_the_field(build, msg):
     with pytest.raises(SettingError) as e:
         build()
     assert str(e.value) == msg
+
+
+def test_engine_ray_resources_parse_to_a_dict():
+    assert EngineFleetSettings(rollout_engine_ray_resources=["rollout=1", " gpu_node = 0.5"]).ray_resources() == \
+        {"rollout": 1.0, "gpu_node": 0.5}
+    with pytest.raises(SettingError, match="rollout_engine_ray_resources 'a=-1'"):
+        EngineFleetSettings(rollout_engine_ray_resources=["a=-1"])
 
 
 def test_prompt_budget_defaults_to_the_context_budget_minus_one():

@@ -120,3 +120,12 @@ def test_bad_layouts_name_the_flags(toy_model_dir, group, train, megatron, msg):
     with pytest.raises(ValueError) as e:
         group.validate(settings(toy_model_dir, **train), megatron)
     assert msg in str(e.value)
+
+
+def test_cpu_ranks_on_more_nodes_than_the_cluster_has_fail_at_once(ray_local, toy_model_dir):  # noqa: F811
+    """--actor-num-nodes 2 on the CPU puts the ranks on two distinct nodes (tests/test_multinode.py
+    runs it on a three-node cluster); a one-node cluster says so at once instead of waiting for a
+    node that never comes."""
+    with pytest.raises(RuntimeError, match="--actor-num-nodes 2 puts the CPU trainer ranks on 2 distinct nodes; "
+                                           "the Ray cluster has 1 node"):
+        TrainerGroup(settings(toy_model_dir), None, TrainerGroupSettings(actor_num_nodes=2))

@@ -12,7 +12,9 @@ FSDP2 and TP/PP/DP) and the driver returns rank 0's result. Placement: with ``--
 cuda`` one placement group holds one ``{"GPU": 1, "CPU": 1}`` bundle per rank (PACK), each rank
 pinned to its bundle, so Ray picks the node and the GPU (``CUDA_VISIBLE_DEVICES``: device 0
 inside the actor). On the CPU the ranks take no Ray resources (like the buffer and the rollout
-manager): a 2-core machine still runs 2 CPU ranks beside 2 engines. A single rank with a pinned
+manager): a 2-core machine still runs 2 CPU ranks beside 2 engines. With ``--actor-num-nodes N > 1``
+CPU ranks go to N distinct nodes (a STRICT_SPREAD placement group of one CPU sliver per node;
+ranks ``k*per_node ... (k+1)*per_node - 1`` on node k), as GPU ranks of N nodes would. A single rank with a pinned
 ``--train-device cuda:N`` reserves nothing either: the user chose the GPU.
 
 Colocated (``--colocate``): rank i runs on GPU i of the launcher's node, the GPU that engine i's
@@ -271,6 +273,11 @@ class TrainerRank:
         self.sender = WeightSender(settings, version_sink=version_sink, post_write=post_write)
         self.sender.connect(engine_urls, engine_gpus)
 
+    def set_weight_sync_engines(self, engine_urls: list[str], engine_gpus: list[int]) -> None:
+        """Rank 0: the engines the next push goes to (an elastic fleet). Others: nothing."""
+        if self.sender is not None:
+            self.sender.set_engines(engine_urls, engine_gpus)
+
     def push_weights(self, version: int, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Gather the full weights (collective on every rank); rank 0 pushes them to the engines
         (``progress``: ``WeightSender.push``'s). Gathered completely before the push starts, so a
@@ -343,6 +350,11 @@ class TrainerGroup:
                     f"cluster resources: {ray.cluster_resources()}") from None
             options = [{"num_cpus": 1, "num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i)} for i in range(self.world_size)]
+        elif self.settings.actor_num_nodes > 1:  # CPU ranks: --actor-num-nodes distinct nodes, one bundle each
+            self.pg = _spread_cpu_ranks(self.settings)
+            per_node = self.settings.actor_num_gpus_per_node
+            options = [{"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=i // per_node)} for i in range(self.world_size)]
         actor = ray.remote(TrainerRank)
         self.ranks = [actor.options(**options[i]).remote(i, self.world_size) for i in range(self.world_size)]
         try:
@@ -401,6 +413,10 @@ class TrainerGroup:
         self._gather([self.ranks[0].connect_weight_sync.remote(settings, engine_urls, engine_gpus, version_sink)],
                      "connect_weight_sync")
 
+    def set_weight_sync_engines(self, engine_urls: list[str], engine_gpus: list[int]) -> None:
+        """The engines of an elastic fleet, for the next push (``WeightSender.set_engines``, on rank 0)."""
+        self._gather([self.ranks[0].set_weight_sync_engines.remote(engine_urls, engine_gpus)], "set_weight_sync_engines")
+
     def push_weights(self, version: int, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Every rank gathers the full weights; rank 0 pushes them; returns its push metrics.
         ``progress(done, total)`` runs in rank 0's process after each bucket."""
@@ -442,6 +458,29 @@ class TrainerGroup:
                 self._broken = True
                 raise _rank_error(rank_of[done[0]], what, e) from e
         return out
+
+
+def _spread_cpu_ranks(settings: TrainerGroupSettings) -> Any:
+    """A placement group of one bundle per node of CPU ranks (``--actor-num-nodes``), each on a
+    node of its own (STRICT_SPREAD). A bundle is a sliver of a CPU, as a CPU engine's: CPU ranks
+    take no Ray resources (module docstring), so this only decides where they run; a node started
+    with ``--num-cpus 0`` takes none of them."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    nodes, flag = settings.actor_num_nodes, flag_of(TrainerGroupSettings, "actor_num_nodes")
+    with_cpus = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+    if with_cpus < nodes:  # nothing on a CPU cluster adds nodes while we wait: say so now
+        raise RuntimeError(f"{flag} {nodes} puts the CPU trainer ranks on {nodes} distinct nodes; the Ray cluster "
+                           f"has {with_cpus} node(s) with CPUs (ray start --address ... on more nodes, or {flag} 1)")
+    pg = placement_group([{"CPU": 0.01} for _ in range(nodes)], strategy="STRICT_SPREAD")
+    try:
+        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(f"could not place the CPU trainer ranks on {flag} {nodes} distinct nodes within "
+                           f"{_PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: {ray.cluster_resources()}") from None
+    return pg
 
 
 def _colocated_options(world_size: int, cuda: bool) -> list[dict[str, Any]]:

@@ -97,6 +97,32 @@ class WeightSender:
                 raise
             raise RuntimeError(f"connect: {type(e).__name__}: {e}") from e
 
+    def set_engines(self, engine_urls: list[str], engine_gpus: list[int]) -> None:
+        """Follow an elastic fleet (``engine_gpus[i]``: engine i's GPUs, as for ``connect``). Engines
+        not in ``engine_urls`` leave: the next push rebuilds the group without them. New ones join
+        at the next push, as an engine that came back does (``_revive``: its parameter list fetched
+        and the push validated against it), which brings them to the pushed version."""
+        if not self.engines:
+            raise RuntimeError("set_engines: not connected (call connect() first)")
+        if len(engine_gpus) != len(engine_urls) or any(g < 1 for g in engine_gpus):
+            raise ValueError(f"engine_gpus {engine_gpus}: need one count >= 1 per engine url")
+        wanted = dict(zip(map(normalize_url, engine_urls), engine_gpus))
+        if not wanted:
+            raise ValueError("engine_urls: at least one engine is needed")
+        self._loop.run(self._set_engines(wanted), timeout=30)
+
+    async def _set_engines(self, wanted: dict[str, int]) -> None:
+        """``set_engines`` on the loop (the engines' clients live there)."""
+        gone = [e for e in self.engines if e.url not in wanted]
+        kept = [e for e in self.engines if e.url in wanted]
+        for url in [u for u in wanted if u not in {e.url for e in kept}]:
+            e = EngineState.of(url, self.settings)
+            e.gpus, e.alive = wanted[url], False  # joins at the next push once it answers /health
+            kept.append(e)
+        self.engines = kept
+        for e in gone:
+            await e.client.close()
+
     def push(self, named_tensors: NamedTensors, version: int, progress: Progress | None = None) -> dict[str, float]:
         """Push one version of the weights to every live engine; return metrics.
 
