@@ -1,0 +1,114 @@
+"""slime's agent examples, unchanged, against Reservoir's contract (issue 26): search-r1's
+``generate_with_search.py`` (with its ``qa_em_format.py`` reward and ``local_search_server.py``
+client, verbatim in ``slime_fixtures/``) runs as ``--custom-generate-function-path`` and
+``--custom-rm-path`` with ``--tito-check warn``. The retriever is a stub: a real HTTP server on
+127.0.0.1 answering the retrieval API that slime's client calls (``POST /retrieve``
+``{"queries", "topk", "return_scores"}`` -> ``{"result": [[{"id", "contents"}]]}``, the corpus rows
+that slime's ``local_dense_retriever/retrieval_server.py`` returns and its client reads; the client's
+comment says ``{"document": {"contents"}}``, which it would read as empty) with fixed passages. slime imports its example's siblings by bare name (``from qa_em_format
+import ...``: slime runs with the example directory on ``PYTHONPATH``), so the test puts
+``slime_fixtures/`` on ``sys.path`` the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from _fixtures_rollout import running_manager, toy_argv
+
+FIXTURES = Path(__file__).resolve().parent / "slime_fixtures"
+PASSAGES = ["Paris\nParis is the capital of France.", "Seine\nThe Seine flows through Paris.",
+            "Louvre\nThe Louvre is a museum in Paris."]
+
+
+class _Retriever(BaseHTTPRequestHandler):
+    """The retrieval server's API as slime's ``local_search`` calls it; records each request."""
+
+    requests: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(body)
+        docs = [{"id": str(i), "contents": PASSAGES[i]} for i in range(min(body["topk"], len(PASSAGES)))]
+        out = json.dumps({"result": [docs for _ in body["queries"]]}).encode()
+        self.send_response(200 if self.path == "/retrieve" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def retriever():
+    """A retrieval stub on a free port of 127.0.0.1 (its own thread, not the rollout's loop)."""
+    _Retriever.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Retriever)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture
+def search_r1(retriever, monkeypatch):
+    """slime's search-r1 module, pointed at the stub through its own config dict (what slime's
+    README has a user edit), with ``slime_fixtures/`` on the path as slime's run script does."""
+    import importlib
+
+    import slime_compat
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    slime_compat.install()
+    mod = importlib.import_module("generate_with_search")
+    monkeypatch.setitem(mod.SEARCH_R1_CONFIGS["local"], "search_url", retriever)
+    return mod
+
+
+def _data(tmp_path: Path) -> Path:
+    # search-r1's records: a question and {"ground_truth": {"target": [answers]}} (qa_em_format's label)
+    path = tmp_path / "nq.jsonl"
+    # short questions: the toy model's context is 256 character tokens, and search-r1's
+    # invalid-action observation alone is about 200 (a longer prompt gets the engine's 400)
+    rows = [{"prompt": [{"role": "user", "content": f"Q{i}: capital of France?"}],
+             "label": {"ground_truth": {"target": ["Paris"]}}} for i in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_slimes_search_client_reads_the_stub(search_r1):
+    """slime's own search path (parse the action, call the retriever, format the passages)."""
+    obs, done = asyncio.run(search_r1.execute_predictions("<search> capital of France </search>"))
+    assert not done and obs.startswith("\n\n<information>Doc 1(Title: Paris) Paris is the capital")
+    assert _Retriever.requests == [{"queries": ["capital of France"], "topk": 3, "return_scores": False}]
+
+
+def test_search_r1_runs_unchanged_with_tito_check_warn(toy_model_dir, tmp_path, search_r1):
+    argv = toy_argv(toy_model_dir, "--prompt-data", str(_data(tmp_path)), "--rollout-batch-size", "2",
+                    "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+                    "--custom-generate-function-path", "generate_with_search.generate",
+                    "--custom-rm-path", "generate_with_search.reward_func", "--tito-check", "warn")
+
+    async def go():
+        async with running_manager(argv) as m:
+            return [await m.generate(r) for r in range(2)]
+    steps = asyncio.run(go())
+    seen = []
+    for groups, metrics in steps:
+        print({k: v for k, v in metrics.items() if "tito" in k})
+        assert len(groups) == 2 and all(len(g) == 2 for g in groups)
+        seen += [g[0].group_index for g in groups]
+        for s in (s for g in groups for s in g):
+            assert s.status in ("completed", "truncated") and s.reward is not None
+            assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs)
+        assert metrics["rollout/tito/checked"] == 4
+    assert sorted(seen) == [0, 1, 2, 3]  # every group produced once
