@@ -12,6 +12,7 @@ import ...``: slime runs with the example directory on ``PYTHONPATH``), so the t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +23,7 @@ import pytest
 from _fixtures_rollout import running_manager, toy_argv
 
 FIXTURES = Path(__file__).resolve().parent / "slime_fixtures"
+ANSWER = "<search> Paris </search>"  # the instant engine's answer to every turn
 PASSAGES = ["Paris\nParis is the capital of France.", "Seine\nThe Seine flows through Paris.",
             "Louvre\nThe Louvre is a museum in Paris."]
 
@@ -93,8 +95,13 @@ def test_slimes_search_client_reads_the_stub(search_r1):
 
 
 def test_search_r1_runs_unchanged_with_tito_check_warn(toy_model_dir, tmp_path, search_r1):
-    argv = toy_argv(toy_model_dir, "--prompt-data", str(_data(tmp_path)), "--rollout-batch-size", "2",
-                    "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+    """Two rollouts of 2 groups x 2 samples. The instant engine answers every turn with a search
+    (the toy model's text never holds one), so each sample takes slime's 2 turns: answer, search
+    via the stub, retrieved passages appended untrained, answer, search again (max_turns). Every
+    group is produced once, and --tito-check checks every sample against its engine calls."""
+    argv = toy_argv(toy_model_dir, "--prompt-data", str(_data(tmp_path)), "--rollout-engine", "instant",
+                    "--rollout-num-engines", "1", "--engine-extra-args", f"--output-text '{ANSWER}'",
+                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "32",
                     "--custom-generate-function-path", "generate_with_search.generate",
                     "--custom-rm-path", "generate_with_search.reward_func", "--tito-check", "warn")
 
@@ -104,11 +111,19 @@ def test_search_r1_runs_unchanged_with_tito_check_warn(toy_model_dir, tmp_path, 
     steps = asyncio.run(go())
     seen = []
     for groups, metrics in steps:
-        print({k: v for k, v in metrics.items() if "tito" in k})
         assert len(groups) == 2 and all(len(g) == 2 for g in groups)
         seen += [g[0].group_index for g in groups]
         for s in (s for g in groups for s in g):
-            assert s.status in ("completed", "truncated") and s.reward is not None
+            assert s.status == "completed" and s.reward == 0  # a search each turn, never an answer
+            assert s.response.count(ANSWER) == 2 and s.response.count("<information>Doc 1(Title: Paris)") == 2
             assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs)
-        assert metrics["rollout/tito/checked"] == 4
+            n = len(ANSWER)  # the toy tokenizer is one token a character
+            # answer (trained), passages (not), answer, passages: slime appends the last turn's
+            # search results too, after which max_turns ends the loop
+            runs = [(k, len(list(g))) for k, g in itertools.groupby(s.loss_mask)]
+            assert [k for k, _ in runs] == [1, 0, 1, 0] and runs[0][1] == runs[2][1] == n, runs
+        # every sample checked against its two engine calls (the text prompts tokenized as the
+        # engine does): nothing found
+        assert {k: v for k, v in metrics.items() if "tito" in k} == {"rollout/tito/checked": 4}
     assert sorted(seen) == [0, 1, 2, 3]  # every group produced once
+    assert len(_Retriever.requests) == 16 and {r["queries"][0] for r in _Retriever.requests} == {"Paris"}
