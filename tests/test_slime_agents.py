@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -127,3 +128,81 @@ def test_search_r1_runs_unchanged_with_tito_check_warn(toy_model_dir, tmp_path, 
         assert {k: v for k, v in metrics.items() if "tito" in k} == {"rollout/tito/checked": 4}
     assert sorted(seen) == [0, 1, 2, 3]  # every group produced once
     assert len(_Retriever.requests) == 16 and {r["queries"][0] for r in _Retriever.requests} == {"Paris"}
+
+
+# --- retool: generate_with_retool.py + tool_sandbox.py ------------------------------------------
+CODE = "<code>print(6*7)</code>"  # the instant engine's answer to every turn: run code
+
+
+@pytest.fixture
+def retool(monkeypatch):
+    """slime's retool module (``slime_fixtures/`` on the path, as slime's run script puts the
+    example's), with 2 tool calls a sample instead of 16 (its config dict), and its sandbox's
+    ``subprocess.Popen`` watched: each run records the manager loop's heartbeat count before and
+    after its blocking ``communicate``."""
+    import importlib
+    import subprocess
+
+    import slime_compat
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    slime_compat.install()
+    mod = importlib.import_module("generate_with_retool")
+    sandbox = importlib.import_module("tool_sandbox")
+    monkeypatch.setitem(sandbox.TOOL_CONFIGS, "max_tool_calls", 2)
+    runs: list[tuple[int, int]] = []
+    beats, blocked = [0], []
+
+    class Watched(subprocess.Popen):
+        def communicate(self, *a, **k):
+            before, t0 = beats[0], time.monotonic()
+            out = super().communicate(*a, **k)
+            runs.append((before, beats[0]))
+            blocked.append(time.monotonic() - t0)
+            return out
+    monkeypatch.setattr(sandbox.subprocess, "Popen", Watched)
+    return mod, runs, beats, blocked
+
+
+def test_retool_runs_unchanged_and_its_sandbox_blocks_the_managers_loop(toy_model_dir, retool):
+    """slime's retool with --tito-check warn: every sample runs its code twice in slime's sandbox
+    (a python3 subprocess) and is checked against its engine calls. The sandbox waits for the
+    subprocess with a blocking ``Popen.communicate`` inside ``async def``: while it runs, the
+    rollout manager's event loop (engine calls, other samples, heartbeats) stands still."""
+    mod, runs, beats, blocked = retool
+    argv = toy_argv(toy_model_dir, "--rollout-engine", "instant", "--rollout-num-engines", "1",
+                    "--engine-extra-args", f"--output-text '{CODE}'", "--rollout-batch-size", "2",
+                    "--n-samples-per-prompt", "2", "--rollout-max-response-len", "32",
+                    "--rollout-max-context-len", "4096", "--reward-key", "score",
+                    "--custom-generate-function-path", "generate_with_retool.generate",
+                    "--custom-rm-path", "generate_with_retool.reward_func", "--tito-check", "warn")
+
+    async def heartbeat():
+        while True:
+            beats[0] += 1
+            await asyncio.sleep(0.001)
+
+    async def go():
+        async with running_manager(argv) as m:
+            ticker = asyncio.create_task(heartbeat())
+            try:
+                return [await m.generate(r) for r in range(2)]
+            finally:
+                ticker.cancel()
+    steps = asyncio.run(go())
+    seen = []
+    for groups, metrics in steps:
+        assert len(groups) == 2 and all(len(g) == 2 for g in groups)
+        seen += [g[0].group_index for g in groups]
+        for s in (s for g in groups for s in g):
+            assert s.status == "completed" and s.tool_call_count == 2
+            assert s.response.count("<interpreter>\nOutput:\n42\n</interpreter>") == 2, s.response
+            assert s.reward["score"] == -1.0  # no boxed answer (math_dapo), tool bonus (2-2)/2*0.1 = 0
+            assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs)
+        print({k: v for k, v in metrics.items() if "tito" in k})
+        assert metrics["rollout/tito/checked"] == 4
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert len(runs) == 16  # 2 rollouts x 4 samples x 2 tool calls
+    # no heartbeat while any sandbox run waited: the loop was blocked for each run's whole length
+    assert beats[0] > len(runs) and all(after == before for before, after in runs), (beats, runs)
+    print(f"sandbox runs {len(runs)}, loop blocked {sum(blocked):.3f}s in all, longest {max(blocked):.3f}s")
