@@ -5,7 +5,9 @@ health and info routes), so the real sglang-router registers it, and the rollout
 tell it from an engine. ``bench/rollout.py`` uses it to measure client throughput, and the
 tests use it to exercise routing, retries and aborts at full speed. It is not a model: each
 ``/generate`` returns ``--num-tokens`` copies of ``--token-id`` (fewer if ``max_new_tokens`` is
-smaller) after ``--delay`` seconds (plus up to ``--delay-jitter``), with log-prob -0.5 per token.
+smaller) after ``--delay`` seconds (plus up to ``--delay-jitter``), with log-prob -0.5 per token;
+its ``text`` is empty unless the answer is given as ``--output-text`` (then a ``text`` prompt's
+length is reported too).
 SGLang's batch form (``input_ids`` a list of lists) answers a list, each element abortable by
 its own rid (``f"{rid}_{i}"``). An aborted request returns half of its tokens with finish reason
 ``abort`` (as if interrupted midway), so partial rollouts can be exercised;
@@ -30,10 +32,18 @@ class InstantEngine:
     """The request handlers; ``paused`` requests wait, ``abort_all`` ends the waiting ones."""
 
     def __init__(self, model_path: str, token_id: int, num_tokens: int, delay: float, weight_version: str,
-                 delay_jitter: float = 0.0, output_ids: list[int] | None = None):
+                 delay_jitter: float = 0.0, output_ids: list[int] | None = None, output_text: str | None = None):
         self.model_path, self.token_id, self.num_tokens, self.delay = model_path, token_id, num_tokens, delay
         self.delay_jitter = delay_jitter
         self.output_ids = output_ids  # a fixed answer instead of num_tokens copies of token_id
+        self.output_text = ""  # the answer's text: only --output-text sets it (no tokenizer otherwise)
+        self.tokenizer = None
+        if output_text is not None:  # for plugins that read the answer's text (slime's search-r1)
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.output_text = output_text
+            self.output_ids = self.tokenizer(output_text, add_special_tokens=False)["input_ids"]
         self.weight_version = weight_version
         self.running = asyncio.Event()
         self.running.set()
@@ -51,6 +61,8 @@ class InstantEngine:
         body = loads(await request.read())
         ids = body.get("input_ids")
         if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+            if ids is None and isinstance(body.get("text"), str) and self.tokenizer is not None:
+                ids = self.tokenizer(body["text"])["input_ids"]  # a text prompt: its length is reported
             return self._json(await self._one(body.get("rid"), ids or [], body.get("sampling_params") or {},
                                               bool(body.get("return_logprob"))))
         n, rid = len(ids), body.get("rid")
@@ -92,7 +104,8 @@ class InstantEngine:
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
                 "completion_tokens": n, "weight_version": self.weight_version,
                 "output_token_logprobs": [[-0.5, t, None] for t in ids] if return_logprob else []}
-        return {"text": "", "output_ids": ids, "meta_info": meta}
+        text = self.output_text if n == full else ""
+        return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = loads(await request.read() or b"{}")
@@ -157,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay-jitter", type=float, default=0.0, help="extra random delay, uniform in [0, this)")
     ap.add_argument("--output-ids", default=None, help="comma-separated ids to answer instead (overrides "
                     "--token-id/--num-tokens)")
+    ap.add_argument("--output-text", default=None, help="a fixed answer given as text, tokenized with the "
+                    "model's tokenizer (overrides --output-ids) and returned as the answer's text too")
     ap.add_argument("--weight-version", default="0")
     return ap
 
@@ -169,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     engine = InstantEngine(a.model_path, a.token_id, a.num_tokens, a.delay, a.weight_version, a.delay_jitter,
-                           [int(x) for x in a.output_ids.split(",")] if a.output_ids else None)
+                           [int(x) for x in a.output_ids.split(",")] if a.output_ids else None, a.output_text)
     web.run_app(build_app(engine), host=a.host, port=a.port, access_log=None, print=None, backlog=4096)
 
 

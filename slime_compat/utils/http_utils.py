@@ -6,7 +6,9 @@ does, with these rules of Reservoir's: connection errors, timeouts, 5xx and 429 
 at once (a bad request stays bad; slime retries it too). Requests to the router or an engine carry
 the engines' API key (``--sglang-api-key``) and time out after ``--rollout-request-timeout``. A
 ``/generate`` answer's ``meta_info.weight_version`` is noted for the sample being generated, so a
-custom generate that never records it still produces samples tagged with the policy version.
+custom generate that never records it still produces samples tagged with the policy version; with
+``--tito-check`` on, the call (its ``input_ids``, or its ``text`` tokenized as the engine does) is
+noted too, so the check compares the sample with what the engine saw.
 
 The concurrency limit (``--sglang-server-concurrency`` x engines) is held by the rollout around
 each custom generate call, as slime's ``generate_and_rm`` does: ``post`` itself does not take it.
@@ -95,9 +97,19 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
             log.info("POST %s failed (%s: %s); retrying (%d/%d)", url, type(e).__name__, e, attempt, max_retries)
             await asyncio.sleep(1.0)
     note_weight_versions(out)
-    if isinstance(payload, dict) and "input_ids" in payload:  # for --tito-check (rollout_manager/tito.py)
-        note_engine_call(payload["input_ids"], out)
+    if isinstance(payload, dict):  # for --tito-check (rollout_manager/tito.py)
+        note_engine_call(payload.get("input_ids", _engine_tokens(payload.get("text"))), out)
     return out
+
+
+def _engine_tokens(text: Any) -> list[int] | None:
+    """The ids an engine makes of a ``text`` prompt (its tokenizer, special tokens as it adds them),
+    when --tito-check is on: a generate that sends text (slime's search-r1) is then checked against
+    what the engine saw. Tokenized on the loop, as slime's generate tokenizes its own prompts."""
+    ctx = current_context(None)
+    if not isinstance(text, str) or ctx is None or ctx.tito is None or ctx.tokenizer is None:
+        return None
+    return ctx.tokenizer(text)["input_ids"]
 
 
 async def get(url: str) -> Any:
