@@ -215,21 +215,17 @@ class RolloutManager:
             self._start_context(client=None, dispatcher=None, engines=1)
             return
         e = self.settings.engines
-        self.fleet = EngineFleet(self.settings, None, self.log_dir)
-        await self.fleet.spawn()  # the engines load their model while the router starts
+        # The router first: it picks its ports (HTTP, Prometheus) with the OS's free-port choice, as the
+        # engines do, so a router started while spawned engines have not bound theirs yet can take one.
+        if e.sglang_router_ip is not None:
+            self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
+        else:  # a process and a wait for its port: off the loop
+            self.router = await asyncio.to_thread(
+                Router.start, log_path=f"{self.log_dir}/router.log", policy=e.router_policy,
+                health_check_interval=e.health_check_interval, extra_args=e.router_args)
+        self.fleet = EngineFleet(self.settings, self.router, self.log_dir)
         try:
-            if e.sglang_router_ip is not None:
-                self.router = Router.attach(e.sglang_router_ip, e.sglang_router_port)
-            else:  # a process and a wait for its port: off the loop
-                self.router = await asyncio.to_thread(
-                    Router.start, log_path=f"{self.log_dir}/router.log", policy=e.router_policy,
-                    health_check_interval=e.health_check_interval, extra_args=e.router_args)
-        except BaseException:
-            await self.fleet.stop()
-            raise
-        self.fleet.router = self.router
-        try:
-            await self.fleet.join()
+            await self.fleet.start()
             self.teacher = await Teacher.start(self.settings, self.log_dir)  # on-policy distillation's, if any
         except BaseException:
             await self.fleet.stop()

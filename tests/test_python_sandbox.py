@@ -36,7 +36,7 @@ def pid_gone(pid: int, within_s: float = 5.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rpartition(")")[2].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
             return True
         if time.monotonic() > deadline:
             return False
