@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from flags import add_flags, from_args, section
 from train_backend.actor_group import TrainerGroupSettings
+from train_backend.lora import LoraSettings
 from train_backend.settings import G_HOOKS, G_OPT, MIS_FLAGS, TrainSettings
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = section(parser, G_OPT)
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=True,
                    help="slime's flag for packing micro-batches by tokens (--max-tokens-per-gpu): always so here")
+    add_flags(parser, LoraSettings)
     add_flags(parser, TrainerGroupSettings, "train: ranks (Ray actors; one GPU each with --train-device cuda)")
     g = section(parser, G_HOOKS)
     g.add_argument("--custom-config-path", default=None,
@@ -42,7 +44,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     if norm_length is None and args.loss_agg == "seq_mean_token_sum_norm":
         norm_length = args.rollout_max_response_len  # Dr. GRPO divides by the generation budget
     args.use_tis = use_tis_by_default(args)  # plugins (and mis.yaml's check) see the value in use, not None
-    return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args))
+    return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args),
+                     lora=from_args(LoraSettings, args))
 
 
 def use_tis_by_default(args: argparse.Namespace) -> bool:

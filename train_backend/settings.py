@@ -1,7 +1,8 @@
 """The train backend's settings: every field with its flag (default, help, choices), its checks,
 and the choices of each enumerated flag (``train_backend/arguments.py`` makes the parser from them).
 
-Its own module, importing nothing of ours but :mod:`flags`, so the backends, the losses and the
+Its own module, importing nothing of ours but :mod:`flags` (and :class:`~train_backend.lora.LoraSettings`,
+whose module imports only :mod:`flags` at import time), so the backends, the losses and the
 hooks read it without importing the factory in ``train_backend.interfaces`` (which imports the
 backends).
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flags import SettingError, check_choice, flag
+from train_backend.lora import LoraSettings
 
 BACKENDS = ("torch", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo",
@@ -197,6 +199,8 @@ class TrainSettings:
     custom_convert_samples_to_train_data_path: str | None = flag(None, _HOOK_HELP)
     rollout_data_postprocess_path: str | None = flag(None, _HOOK_HELP)
     plugin_args: dict[str, Any] | None = None
+    # --lora-rank and its flags (train_backend/lora.py declares them); None: off
+    lora: LoraSettings | None = None
     # one buffer per dtype for the parameters of a single-process torch trainer: a colocated
     # ``mapped`` push then hands each engine one handle (set by the launcher, no flag)
     flat_params: bool = False
@@ -229,6 +233,9 @@ class TrainSettings:
         check_choice(self, "optimizer", OPTIMIZERS)
         check_choice(self, "loss_type", LOSS_TYPES)
         self._validate_slime_flags()
+        if self.lora is not None and self.lora.enabled and self.backend == "megatron":
+            raise SettingError("backend", f"--lora-rank {self.lora.rank}: LoRA is built on the torch backend only; "
+                                          "{backend}=megatron refuses it (use --train-backend torch)")
         if (self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
                 and not self.normalize_advantages):
             # slime asserts the same: these estimators leave the raw (or group-centred) reward unscaled

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from buffer.sample import Sample
+from train_backend import lora as lora_adapter
 from train_backend import torch_checkpoint
 from train_backend.batching import PackedMicroBatch, pack, plan_micro_batches
 from train_backend.critic import TorchCritic
@@ -72,6 +73,9 @@ class TorchBackend:
         if settings.recompute_granularity == "full":  # validated: full / uniform / 1 layer
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
+        self.lora = settings.lora if settings.lora is not None and settings.lora.enabled else None
+        if self.lora is not None:  # the base frozen (the reference above copied it first), the adapter trains
+            model = lora_adapter.wrap(model, self.lora)
         if self.distributed:
             self._shard(model)
             if self.ref_model is not None:
@@ -86,16 +90,17 @@ class TorchBackend:
             setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), 2 * len(layers) + 8))
             for layer in layers:
                 layer.compile()
-        if settings.flat_params and not self.distributed:
+        if settings.flat_params and not self.distributed and self.lora is None:
             flatten_parameters(model)
         self.model = model
         self.model.train()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter only
         if settings.optimizer == "sgd":  # Megatron's sgd: momentum 0.9 (its --sgd-momentum default)
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=settings.lr, momentum=0.9,
+            self.optimizer = torch.optim.SGD(trainable, lr=settings.lr, momentum=0.9,
                                              weight_decay=settings.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+                trainable, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
                 eps=settings.adam_eps, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(settings))
         self.optimizer_steps = 0
@@ -272,14 +277,24 @@ class TorchBackend:
         """Full tensors under HF names in the compute dtype, one parameter at a time (each a
         collective under FSDP2: every rank must exhaust the iterator). A parameter already in that
         dtype is yielded itself: storage that stays put between pushes, which a colocated push can
-        hand over once (``--update-weight-load-format mapped``)."""
-        for name, p in self.model.named_parameters():
+        hand over once (``--update-weight-load-format mapped``). With LoRA: the frozen base weights
+        (the adapter travels on its own: :meth:`adapter`)."""
+        params = lora_adapter.base_hf_weights(self.model) if self.lora is not None else self.model.named_parameters()
+        for name, p in params:
             if hasattr(p, "full_tensor"):
                 yield name, p.full_tensor().detach().to(self.compute_dtype)
             elif p.dtype == self.compute_dtype:
                 yield name, p
             else:
                 yield name, p.detach().to(self.compute_dtype)  # what the engines run (float32 masters stay here)
+
+    def adapter(self) -> tuple[dict, dict[str, Tensor]] | None:
+        """With LoRA: the adapter as peft saves it, ``(adapter_config, {peft name: float32 tensor})``;
+        else None."""
+        if self.lora is None:
+            return None
+        return (lora_adapter.adapter_config(self.model, self.settings.hf_checkpoint),
+                lora_adapter.adapter_tensors(self.model))
 
     def save(self, path: str) -> None:
         """Model + optimizer (torch.distributed.checkpoint, sharded under FSDP2), scheduler, step

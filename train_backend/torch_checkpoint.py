@@ -6,6 +6,10 @@ each rank writes its own shards under FSDP2, and a checkpoint loads onto another
 PPO's critic (``--advantage-estimator ppo``), its model and optimizer in ``path/critic_dcp/`` and
 its scheduler in ``trainer_state.pt``.
 ``export_hf(path)`` writes a plain HF checkpoint (``save_pretrained`` + tokenizer).
+With LoRA (``--lora-rank``) the DCP checkpoint holds the adapter and its optimizer state only (the
+frozen base is ``--hf-checkpoint``'s), ``save`` also writes the adapter in peft's format to
+``path/adapter/``, and ``export_hf`` writes the adapter in peft's format (``adapter_config.json``,
+``adapter_model.safetensors``): load it with peft on top of the base, or with SGLang's ``--lora-paths``.
 """
 
 from __future__ import annotations
@@ -60,20 +64,27 @@ def _barrier(backend: "TorchBackend") -> None:
         dist.barrier()
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """Frozen parameters (a LoRA model's base) stay out of checkpoints: they are ``--hf-checkpoint``'s."""
+    return StateDictOptions(ignore_frozen_params=any(not p.requires_grad for p in model.parameters()))
+
+
 def _save_dcp(backend: "TorchBackend", model: torch.nn.Module, optimizer: Any, checkpoint_id: str) -> None:
     """A model and its optimizer (sharded under FSDP2) as one DCP checkpoint at ``checkpoint_id``."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     with _single_process_ok(backend):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id, no_dist=not backend.distributed)
 
 
 def _load_dcp(backend: "TorchBackend", model: torch.nn.Module, optimizer: Any, checkpoint_id: str) -> None:
     """Load what :func:`_save_dcp` wrote into ``model`` and ``optimizer``, in place."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_ok(backend):
         dcp.load(state, checkpoint_id=checkpoint_id, no_dist=not backend.distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=options.ignore_frozen_params, strict=False))
 
 
 def save(backend: "TorchBackend", path: str) -> None:
@@ -84,6 +95,8 @@ def save(backend: "TorchBackend", path: str) -> None:
         _save_dcp(backend, backend.critic.model, backend.critic.optimizer, os.path.join(path, "critic_dcp"))
     if backend.rank == 0:
         torch.save(backend.extra_state(), os.path.join(path, "trainer_state.pt"))
+    if backend.lora is not None:
+        export_hf(backend, os.path.join(path, "adapter"))
     torch.save(_rng_state(), os.path.join(path, f"rng_{backend.rank}.pt"))
     _barrier(backend)
 
@@ -109,8 +122,18 @@ def load(backend: "TorchBackend", path: str) -> None:
 
 
 def export_hf(backend: "TorchBackend", path: str) -> None:
-    """Write an HF checkpoint of the current weights (gathered to rank 0) and the tokenizer."""
+    """Write an HF checkpoint of the current weights (gathered to rank 0) and the tokenizer; with
+    LoRA, the adapter in peft's format (``sglang_protocol.lora_adapter.write_adapter``)."""
     from transformers import AutoTokenizer
+
+    if backend.lora is not None:
+        from sglang_protocol.lora_adapter import write_adapter
+
+        config, tensors = backend.adapter()
+        if backend.rank == 0:
+            write_adapter(path, config, tensors)
+        _barrier(backend)
+        return
 
     sd = get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if backend.rank == 0:

@@ -1,0 +1,107 @@
+"""LoRA adapters as SGLang loads them: peft's on-disk format, and the merged deltas they stand for.
+
+The one home of the adapter format that the trainer writes (``weight_sync/lora.py``), the
+embedded engine reads (``/load_lora_adapter``) and SGLang reads (its ``LoRAAdapter`` loads a peft
+directory): ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...) and
+``adapter_model.safetensors`` whose keys are peft's, e.g.
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (``[r, in]``) and ``...lora_B.weight``
+(``[out, r]``). Module ``m`` with weight ``W`` then serves ``W + (lora_alpha / r) * B @ A``
+(peft's ``scaling``; rsLoRA's ``lora_alpha / sqrt(r)`` when ``use_rslora``).
+
+A ``/generate`` request names its adapter with ``lora_path`` = the adapter's ``lora_name``
+(SGLang 0.5.23's ``LoRARegistry`` looks it up by name); :data:`POLICY_ADAPTER` is the name the
+trainer's adapter is served under.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+
+#: The ``lora_name`` the policy's adapter is loaded under on every engine (and the rollout's ``lora_path``).
+POLICY_ADAPTER = "policy"
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+def peft_config(rank: int, alpha: float, target_modules: list[str] | str, base_model: str | None = None) -> dict:
+    """An ``adapter_config.json`` as peft writes it for a causal LM (the fields SGLang reads)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(alpha),
+            "lora_dropout": 0.0, "target_modules": target_modules, "bias": "none", "use_rslora": False,
+            "base_model_name_or_path": base_model, "inference_mode": True, "fan_in_fan_out": False}
+
+
+def write_adapter(path: str, config: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """Write a peft adapter directory at ``path``; returns the bytes of its weights file."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, weights)
+    return os.path.getsize(weights)
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of the peft adapter directory ``path``; ValueError naming the file."""
+    from safetensors.torch import load_file
+
+    cfg_file, weights = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    for f in (cfg_file, weights):
+        if not os.path.isfile(f):
+            raise ValueError(f"lora_path: {f} does not exist (a peft adapter directory holds {CONFIG_FILE} and "
+                             f"{WEIGHTS_FILE})")
+    try:
+        with open(cfg_file) as fh:
+            config = json.load(fh)
+        return config, load_file(weights)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"lora_path: cannot read the adapter in {path}: {e}") from e
+
+
+def scaling(config: dict) -> float:
+    """peft's ``scaling`` of an adapter: ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA)."""
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def module_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{module name (HF, e.g. model.layers.0.self_attn.q_proj): (A [r, in], B [out, r])}``;
+    ValueError naming a key that is not peft's ``...lora_A.weight`` / ``...lora_B.weight``."""
+    a: dict[str, torch.Tensor] = {}
+    b: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        name = key.removeprefix(_PREFIX)
+        for tag, into in ((".lora_A.weight", a), (".lora_B.weight", b)):
+            if name.endswith(tag):
+                into[name[:-len(tag)]] = t
+                break
+        else:
+            raise ValueError(f"adapter tensor {key!r}: expected peft's <module>.lora_A.weight or .lora_B.weight")
+    unpaired = sorted(set(a) ^ set(b))
+    if unpaired:
+        raise ValueError(f"adapter module {unpaired[0]!r}: has only one of lora_A and lora_B")
+    return {m: (a[m], b[m]) for m in a}
+
+
+def merged_deltas(config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+                  ) -> dict[str, torch.Tensor]:
+    """``{HF weight name: scaling * B @ A}``, what the adapter adds to each target weight (float32
+    products, then ``dtype``)."""
+    s = scaling(config)
+    return {f"{m}.weight": (s * (bm.float() @ am.float())).to(dtype) for m, (am, bm) in module_pairs(tensors).items()}
+
+
+def module_suffixes(target_modules: Any) -> list[str] | None:
+    """The module names a ``target_modules`` setting lists (None for peft's ``all-linear``)."""
+    if target_modules in (None, "all-linear", "all", ["all-linear"], ["all"]):
+        return None
+    if isinstance(target_modules, str):
+        return [m.strip() for m in target_modules.split(",") if m.strip()]
+    return [str(m) for m in target_modules]
