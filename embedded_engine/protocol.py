@@ -75,6 +75,8 @@ class GenerateInput:
     # SGLang's: with return_logprob, the prompt positions from here on get input_token_logprobs
     # (-1: none); with max_new_tokens 0 the request only scores its prompt (a teacher's use)
     logprob_start_len: int = -1
+    # SGLang's: the lora_name of a loaded adapter that generates this request (None: the base model)
+    lora_path: str | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -84,7 +86,7 @@ _NEUTRAL_SAMPLING = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, 
                      "structural_tag": None, "logit_bias": None, "custom_params": None}
 _IGNORED_SAMPLING = {"stream_interval"}  # transport hints without effect on the result
 _NEUTRAL_TOP = {"stream": False, "top_logprobs_num": 0, "token_ids_logprob": None, "image_data": None,
-                "video_data": None, "audio_data": None, "lora_path": None, "session_params": None,
+                "video_data": None, "audio_data": None, "session_params": None,
                 "custom_logit_processor": None, "return_hidden_states": False, "input_embeds": None,
                 "return_routed_experts": False,
                 # sglang-router (0.3.2) forwards these with their defaults on every request
@@ -175,7 +177,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
 
 
 _KNOWN_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs",
-              "logprob_start_len"}
+              "logprob_start_len", "lora_path"}
 
 
 def _start_len(v: Any, name: str) -> int:
@@ -234,7 +236,14 @@ def parse_generate(body: Any, vocab_size: int) -> GenerateInput:
         params=parse_sampling_params(body.get("sampling_params"), vocab_size),
         return_logprob=_flag(body, "return_logprob", False, ""),
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""),
-        logprob_start_len=_start_len(body.get("logprob_start_len"), "logprob_start_len"))
+        logprob_start_len=_start_len(body.get("logprob_start_len"), "logprob_start_len"),
+        lora_path=_lora_path(body.get("lora_path"), "lora_path"))
+
+
+def _lora_path(v: Any, name: str) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v):
+        raise ProtocolError(name, f"expected the name of a loaded LoRA adapter or null, got {v!r}")
+    return v
 
 
 def _per_element(body: dict, name: str, n: int) -> list[Any]:
@@ -277,6 +286,7 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
     params = _per_element(body, "sampling_params", n)
     logprob = _per_element(body, "return_logprob", n)
     starts = _per_element(body, "logprob_start_len", n)
+    loras = _per_element(body, "lora_path", n)
     start_name = "logprob_start_len" + ("[{}]" if isinstance(body.get("logprob_start_len"), list) else "")
     shared_sp = not isinstance(body.get("sampling_params"), list)
     shared: SamplingParams | None = None  # a shared dict is validated once (at the first element)
@@ -316,5 +326,7 @@ def parse_generate_request(body: Any, vocab_size: int) -> tuple[list[GenerateInp
             rid=r, input_ids=p if name == "input_ids" else None, text=p if name == "text" else None,
             params=sp, return_logprob=bool(lp),
             return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False, ""),
-            logprob_start_len=_start_len(starts[i], start_name.format(i))))
+            logprob_start_len=_start_len(starts[i], start_name.format(i)),
+            lora_path=_lora_path(loras[i], f"lora_path[{i}]" if isinstance(body.get("lora_path"), list)
+                                 else "lora_path")))
     return out, True

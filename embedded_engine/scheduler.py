@@ -47,6 +47,7 @@ class Request:
     max_tokens: int = 0  # max_new_tokens capped by the context length
     stop_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
+    lora: int | None = None  # the LoRA adapter it runs with (embedded_engine/lora.py's uid; None: the base)
 
 
 class Scheduler:
@@ -80,6 +81,10 @@ class Scheduler:
         self.steps = 0  # decode steps run
         self.prefills = 0  # prefill forwards run
         self.finished = 0  # requests finished (any reason)
+        # LoRA (embedded_engine/lora.py): switch(uid) makes the weights hold that adapter; running rows
+        # all share the adapter merged in, and it changes only when none is running
+        self.lora_switch: Callable[[int | None], None] | None = None
+        self.lora_merged: int | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -219,6 +224,14 @@ class Scheduler:
                     fut.set_result(fn())
                 except BaseException as e:  # delivered to the caller, who reports it
                     fut.set_exception(e)
+            if admit and admit[0].lora != self.lora_merged and self.lora_switch is not None:
+                try:  # no row is running (_take_admissible): the weights may change under none
+                    self.lora_switch(admit[0].lora)
+                    self.lora_merged = admit[0].lora
+                except Exception as e:
+                    for req in admit:
+                        self._finish(req, None, error=e)
+                    admit = []
             try:
                 with torch.inference_mode():
                     self._apply_aborts(aborts)
@@ -233,6 +246,8 @@ class Scheduler:
         room = self.max_running - self._n_running
         admit: list[Request] = []
         longest = 0
+        if self.lora_switch is not None and self._waiting:
+            return self._take_lora_admissible(room)
         while self._waiting and len(admit) < room:
             n = len(self._waiting[0].prompt_ids)
             # the prefill is padded to its longest prompt: bound the padded token count
@@ -240,6 +255,25 @@ class Scheduler:
                 break
             longest = max(longest, n)
             admit.append(self._waiting.popleft())
+        return admit
+
+    def _take_lora_admissible(self, room: int) -> list[Request]:
+        """As ``_take_admissible``, only requests of one adapter: the one merged in while rows run,
+        else the oldest waiting request's (the loop switches to it before the prefill)."""
+        lora = self.lora_merged if self._n_running else self._waiting[0].lora
+        admit: list[Request] = []
+        longest = 0
+        for req in list(self._waiting):
+            if len(admit) >= room:
+                break
+            if req.lora != lora:
+                continue
+            n = len(req.prompt_ids)
+            if admit and (len(admit) + 1) * max(longest, n) > self.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            self._waiting.remove(req)
+            admit.append(req)
         return admit
 
     def _apply_aborts(self, aborts: list[tuple[str | None, str]]) -> None:

@@ -22,6 +22,7 @@ from sglang_protocol.tensor_update import parse_request
 
 from .access import check_master_address, check_weights_dir, split_list
 from .auth import auth_middleware
+from .lora import LoraAdapters, LoraError, decode_tensors
 from .model_runner import ModelRunner
 from .protocol import GenerateInput, ProtocolError, parse_generate_request
 from .scheduler import Request, Scheduler
@@ -51,6 +52,8 @@ class Engine:
                                    settings.random_seed, settings.weight_version)
         self.weights = WeightManager(self.runner, self.scheduler, settings.weight_update_timeout_s,
                                      settings.weight_loaders())
+        self.lora = LoraAdapters(self.weights._params, self.scheduler, settings.enable_lora, settings.max_lora_rank,
+                                 settings.lora_modules())
         self.model_path = settings.model_path
         self.started = time.time()
 
@@ -83,6 +86,12 @@ class Engine:
         r.add_post("/update_weights_from_disk", self._weights(self.update_weights_from_disk))
         r.add_post("/release_memory_occupation", self._weights(self.release_memory_occupation))
         r.add_post("/resume_memory_occupation", self._weights(self.resume_memory_occupation))
+        r.add_post("/load_lora_adapter", self._lora(self.load_lora_adapter))
+        r.add_post("/load_lora_adapter_from_tensors", self._lora(self.load_lora_adapter_from_tensors))
+        r.add_post("/unload_lora_adapter", self._lora(self.unload_lora_adapter))
+        r.add_post("/update_weight_version", self._weights(self.update_weight_version))
+        r.add_get("/lora_adapter_checksum", self.lora_adapter_checksum)
+        r.add_post("/lora_adapter_checksum", self.lora_adapter_checksum)
         r.add_get("/v1/models", self.v1_models)
         return app
 
@@ -102,17 +111,22 @@ class Engine:
         try:
             elements, batch = parse_generate_request(await self._body(request), self.runner.vocab_size)
             prompts = [self._prompt_ids(gi, i if batch else None) for i, gi in enumerate(elements)]
-        except ProtocolError as e:
+            loras = [self.lora.resolve(gi.lora_path) for gi in elements]
+        except (ProtocolError, LoraError) as e:
             return _bad(str(e))
         for i, (gi, ids) in enumerate(zip(elements, prompts)):
             if gi.logprob_start_len > len(ids):  # SGLang aborts such a request
                 at = f"[{i}]" if batch else ""
                 return _bad(f"logprob_start_len{at}: {gi.logprob_start_len} is beyond the prompt's {len(ids)} tokens")
+            if loras[i] is not None and (gi.params.max_new_tokens == 0 or (gi.return_logprob and gi.logprob_start_len >= 0)):
+                # the prompt is scored outside the scheduler's batches, on whatever adapter is merged then
+                return _bad(f"lora_path{'[%d]' % i if batch else ''}: prompt log-probs (logprob_start_len, "
+                            "max_new_tokens 0) with a LoRA adapter are not supported by the embedded engine")
         loop = asyncio.get_running_loop()
         # max_new_tokens 0: the prompt is only scored (no scheduler request); the others generate
         futs = [loop.create_future() if gi.params.max_new_tokens else None for gi in elements]
-        reqs = [Request(gi.rid, ids, gi.params, _resolver(loop, fut) if fut else _scored)
-                for gi, ids, fut in zip(elements, prompts, futs)]
+        reqs = [Request(gi.rid, ids, gi.params, _resolver(loop, fut) if fut else _scored, lora=lora)
+                for gi, ids, fut, lora in zip(elements, prompts, futs, loras)]
         queued: list[int] = []
         for i, req in enumerate(reqs):
             if futs[i] is None:
@@ -354,6 +368,7 @@ class Engine:
                                     "cannot be flushed under them (send flush_cache false)")
 
     async def update_weights_from_distributed(self, b: dict) -> str:
+        await self._unmerge_lora()
         self._check_flush(b)
         await self.weights.update_from_distributed(list(b["names"]), list(b["dtypes"]), list(b["shapes"]),
                                                    str(b["group_name"]), b.get("load_format"),
@@ -364,6 +379,7 @@ class Engine:
         """SGLang's ``/update_weights_from_tensor`` (colocated mode): TP rank 0's payload is loaded."""
         self._check_flush(b)
         req = parse_request(b)
+        await self._unmerge_lora()
         if req.abort_all_requests:
             self.scheduler.abort(None)
         await self.weights.update_from_tensor(req)
@@ -371,15 +387,74 @@ class Engine:
             return "Success"
         return f"Success Weight version updated to {req.weight_version}."
 
+    async def _unmerge_lora(self) -> None:
+        """Before a full weight update: the weights back to the base (it writes new base values;
+        the next request naming an adapter merges it again)."""
+        if self.lora.enabled and self.scheduler.lora_merged is not None:
+            await self.lora.restore_base()
+
     async def destroy_weights_update_group(self, b: dict) -> str:
         await asyncio.get_running_loop().run_in_executor(None, self.weights.destroy_group, str(b["group_name"]))
         return "Succeeded to destroy custom process group."
 
     async def update_weights_from_disk(self, b: dict) -> str:
+        await self._unmerge_lora()
         path = str(check_weights_dir(str(b["model_path"]), self.settings.model_path,
                                      split_list(self.settings.weight_update_dirs)))
         await self.weights.update_from_disk(path, b.get("weight_version"))
         return "Succeeded to update model weights."
+
+    async def update_weight_version(self, b: dict) -> str:
+        """SGLang's ``/update_weight_version``: the version that later requests report (a LoRA push
+        tags its version this way: adapter loads carry none)."""
+        if b.get("abort_all_requests", True):
+            self.scheduler.abort(None, "aborted by update_weight_version")
+        version = str(b["new_version"])
+        await asyncio.wrap_future(self.scheduler.run_command(lambda: setattr(self.scheduler, "weight_version", version)))
+        return f"Weight version updated to {version}"
+
+    # --- LoRA (SGLang's --enable-lora routes; embedded_engine/lora.py) ------------------------------
+    def _lora(self, fn: Callable[[dict], Awaitable[None]]) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """SGLang's answer to a LoRA route: ``{success, error_message, loaded_adapters}``, 400 on failure."""
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                body = await self._body(request)
+                if not isinstance(body, dict):
+                    raise ProtocolError("body", "expected a JSON object")
+                await fn(body)
+            except (ValueError, KeyError, TypeError) as e:  # LoraError, ProtocolError, missing fields
+                msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                return _json({"success": False, "error_message": msg, "loaded_adapters": self.lora.loaded()}, 400)
+            return _json({"success": True, "error_message": None, "loaded_adapters": self.lora.loaded()})
+        return handler
+
+    async def load_lora_adapter(self, b: dict) -> None:
+        try:
+            path = str(check_weights_dir(str(b["lora_path"]), self.settings.model_path,
+                                         split_list(self.settings.weight_update_dirs)))
+        except ValueError as e:
+            raise LoraError("lora_path" + str(e).removeprefix("model_path")) from None
+        await self.lora.load_from_path(str(b["lora_name"]), path)
+
+    async def load_lora_adapter_from_tensors(self, b: dict) -> None:
+        config = b["config_dict"]
+        if not isinstance(config, dict):
+            raise ProtocolError("config_dict", "expected the adapter_config.json object")
+        await self.lora.load(str(b["lora_name"]), config, decode_tensors(b["serialized_named_tensors"]))
+
+    async def unload_lora_adapter(self, b: dict) -> None:
+        self.lora.unload(str(b["lora_name"]))
+
+    async def lora_adapter_checksum(self, request: web.Request) -> web.Response:
+        """``{peft tensor name: sha256}`` of a loaded adapter (``lora_name`` in the body or query): the
+        read-back ``--check-weight-update-equal`` compares (no SGLang route reads an adapter back)."""
+        try:
+            body = await self._body(request) if request.method == "POST" else {}
+            name = (body.get("lora_name") if isinstance(body, dict) else None) or request.query.get("lora_name")
+            sums = await self.lora.checksums(str(name))
+        except ValueError as e:
+            return _bad(str(e))
+        return _json(sums)
 
     async def release_memory_occupation(self, b: dict) -> str:
         await self.weights.release_memory(_tags(b))

@@ -57,6 +57,11 @@ class EngineSettings:
                                f"excepted; default: ${KEY_ENV['api_key']}; auth.py)")
     admin_api_key: str | None = flag(None, "SGLang's --admin-api-key: the control routes (pause, weight updates, "
                                      f"memory) need this key (default: ${KEY_ENV['admin_api_key']}; auth.py)")
+    enable_lora: bool = flag(False, "SGLang's: serve LoRA adapters (/load_lora_adapter, /load_lora_adapter_from_tensors, "
+                             "/unload_lora_adapter; a /generate names one with lora_path; embedded_engine/lora.py)")
+    max_lora_rank: int | None = flag(None, "SGLang's: the largest adapter rank that loads (default: any)")
+    lora_target_modules: str = flag("", "SGLang's: modules adapters may target, e.g. q_proj v_proj, or all "
+                                    "(default: any module of the model); space- or comma-separated", nargs="*")
     log_level: str = flag("info", "Python logging level")
     extra: dict = field(default_factory=dict)  # free-form, reported in /server_info (no flag)
 
@@ -73,6 +78,9 @@ class EngineSettings:
             raise SettingError("device", "{device}=" + f"{self.device!r}: expected cpu or cuda[:i]")
         check_bound(self, ">=", 1, "max_running_requests", "max_prefill_tokens")
         check_bound(self, ">=", 2, "context_length")
+        check_bound(self, ">=", 1, "max_lora_rank")
+        if (self.max_lora_rank is not None or self.lora_target_modules) and not self.enable_lora:
+            raise SettingError(("max_lora_rank", "lora_target_modules"), "need {enable_lora}")
         if not 0 <= self.port < 65536:
             raise SettingError("port", "{port}=" + f"{self.port} is out of range")
 
@@ -90,6 +98,11 @@ class EngineSettings:
         comma-separated here)."""
         return self.custom_weight_loader.replace(",", " ").split()
 
+    def lora_modules(self) -> list[str] | None:
+        """``--lora-target-modules``' names; None: any module (SGLang's ``all``, or the flag unset)."""
+        names = self.lora_target_modules.replace(",", " ").split()
+        return None if not names or names in (["all"], ["all-linear"]) else names
+
     def to_cli(self) -> list[str]:
         """The command-line flags that reproduce these settings (for the subprocess launcher),
         keys aside: :meth:`key_env` carries them."""
@@ -98,7 +111,7 @@ class EngineSettings:
             v = getattr(self, f.name)
             if f.name in KEY_ENV or v is None or v == f.default:
                 continue
-            out += [flag_name(f), str(v)]
+            out += [flag_name(f)] if v is True else [flag_name(f), str(v)]
         return out
 
     def key_env(self) -> dict[str, str]:
@@ -123,7 +136,8 @@ def parse_settings(argv: list[str] | None = None) -> EngineSettings:
             if getattr(ns, name) is None and os.environ.get(env)}
     try:
         loaders = ns.custom_weight_loader  # SGLang's flag takes several paths; the field holds them as one string
+        modules = ns.lora_target_modules  # the same for SGLang's list of module names
         return from_args(EngineSettings, ns, custom_weight_loader=loaders if isinstance(loaders, str) else " ".join(loaders),
-                         **keys)
+                         lora_target_modules=modules if isinstance(modules, str) else " ".join(modules), **keys)
     except ValueError as e:  # a usage error, not a crash: the parser prints it and exits with 2
         ap.error(str(e))

@@ -57,7 +57,7 @@ from sglang_protocol.client import EngineClient, EngineError, normalize_url
 from sglang_protocol.net import pick_port
 from rollout_manager.procenv import child_environ
 from rollout_manager.router import Router
-from rollout_manager.settings import RolloutSettings
+from rollout_manager.settings import EngineFleetSettings, RolloutSettings
 
 log = logging.getLogger(__name__)
 FAILURES_BEFORE_RESTART = 3
@@ -120,7 +120,7 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
                "--port", str(ports.port), "--tp-size", str(e.rollout_num_gpus_per_engine),
                "--nccl-port", str(ports.nccl_port), "--dist-init-addr", f"{_uri_host(host)}:{ports.dist_init_port}",
-               *_with_held_loader(e.sglang_args)]
+               *_with_held_loader(e.sglang_args), *_lora_flags(e)]
     elif e.rollout_engine == "instant":
         cmd = [sys.executable, "-m", "embedded_engine.instant", "--host", host, "--port", str(ports.port),
                "--model-path", model, *shlex.split(e.engine_extra_args)]
@@ -135,10 +135,20 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                             weight_update_dirs=",".join(e.weight_update_dirs),
                             weight_update_masters=",".join(e.weight_update_masters),
                             api_key=e.api_key, admin_api_key=e.admin_api_key,
-                            custom_weight_loader=held_weights.LOADER)
+                            custom_weight_loader=held_weights.LOADER, enable_lora=e.lora_rank > 0,
+                            max_lora_rank=e.lora_rank or None,
+                            lora_target_modules=" ".join(e.lora_target_modules or []))
         env.update(es.key_env())
         cmd = [sys.executable, "-m", "embedded_engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
+
+
+def _lora_flags(e: EngineFleetSettings) -> list[str]:
+    """SGLang's LoRA flags for a run with ``--lora-rank`` (none without)."""
+    if not e.lora_rank:
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(e.lora_rank), "--lora-target-modules",
+            *(e.lora_target_modules or ["all"])]
 
 
 def _with_held_loader(sglang_args: list[str]) -> list[str]:

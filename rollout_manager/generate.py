@@ -250,10 +250,12 @@ async def _group_request(ctx: RolloutContext, batch: list[Sample], params: dict,
         try:
             if k > 1:
                 outs = await client.generate_batch([x.tokens for x in batch], sampling_params=params,
-                                                   return_logprob=True, rid=rid, timeout=s.request_timeout)
+                                                   return_logprob=True, rid=rid, timeout=s.request_timeout,
+                                                   lora_path=s.lora_path)
             else:  # one sample: the plain form (no list to build or check)
                 outs = [await client.generate(input_ids=batch[0].tokens, sampling_params=params,
-                                              return_logprob=True, rid=rid, timeout=s.request_timeout)]
+                                              return_logprob=True, rid=rid, timeout=s.request_timeout,
+                                              lora_path=s.lora_path)]
         except EngineError as e:
             outs = None
             retry.avoid.add(url)

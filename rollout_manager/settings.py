@@ -109,6 +109,10 @@ class EngineFleetSettings:
     # non-loopback trainer addresses they may join for weight updates (--update-weight-master-address)
     weight_update_dirs: list[str] = field(default_factory=list)
     weight_update_masters: list[str] = field(default_factory=list)
+    # set by the launcher with --lora-rank: engines serve LoRA adapters of up to this rank on these
+    # modules (None: any), SGLang's --enable-lora --max-lora-rank --lora-target-modules
+    lora_rank: int = 0
+    lora_target_modules: list[str] | None = None
 
     def ray_resources(self) -> dict[str, float]:
         """``rollout_engine_ray_resources`` as ``{name: amount}``; a ``SettingError`` when an item is malformed."""
@@ -201,6 +205,9 @@ class SamplingSettings:
                            "outputs, history not append-only) and soft differences from the chat template's render "
                            "(rollout/tito/<kind>); fail also fails each sample with a hard error", choices=TITO_MODES)
     tito_check_fraction: float = flag(1.0, "share of finished samples --tito-check checks (drawn at random)")
+    # set by the launcher with --lora-rank: the adapter every /generate names (SGLang's lora_path), so
+    # rollouts and evaluation run on the base plus the trainer's adapter (sglang_protocol/lora_adapter.py)
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         check_bound(self, ">", 0, "n_samples_per_prompt", "rollout_batch_size", "over_sampling_batch_size",

@@ -199,8 +199,26 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
     sync = sync_settings(args)
     if sync.transport == "tensor" and sync.load_format == "mapped":  # one handle per dtype, not per parameter
         train = dataclasses.replace(train, flat_params=True)
+    if train.lora is not None and train.lora.enabled:
+        rollout, sync = _with_lora(train.lora, rollout, sync, launcher.output_dir)
     _check_across_parts(args)
     return RunSettings(launcher, buffer, rollout, train, megatron, group, sync)
+
+
+def _with_lora(lora: Any, rollout: Any, sync: Any, output_dir: str) -> tuple[Any, Any]:
+    """``--lora-rank``: the engines serve LoRA adapters (SGLang's --enable-lora), every /generate names
+    the policy's adapter, and pushes write it under ``--update-weight-disk-dir`` (default: the run's
+    ``lora_adapters/``), which the embedded engines are allowed to read (weight_sync/lora.py)."""
+    from sglang_protocol.lora_adapter import POLICY_ADAPTER
+
+    modules = lora.modules()
+    engines = dataclasses.replace(rollout.engines, lora_rank=lora.rank,
+                                  lora_target_modules=None if modules == "all-linear" else modules)
+    rollout = dataclasses.replace(rollout, engines=engines,
+                                  sampling=dataclasses.replace(rollout.sampling, lora_path=POLICY_ADAPTER))
+    if not sync.disk_dir:
+        sync = dataclasses.replace(sync, disk_dir=str((Path(output_dir) / "lora_adapters").resolve()))
+    return rollout, sync
 
 
 def _check_launcher(args: argparse.Namespace) -> None:

@@ -91,9 +91,12 @@ class EngineClient:
     # --- generation ------------------------------------------------------------------------
     async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
                        sampling_params: dict | None = None, return_logprob: bool = True,
-                       rid: str | None = None, timeout: float | None = None) -> dict:
-        """POST /generate. Returns SGLang's response: ``text``, ``output_ids``, ``meta_info``."""
+                       rid: str | None = None, timeout: float | None = None, lora_path: str | None = None) -> dict:
+        """POST /generate. Returns SGLang's response: ``text``, ``output_ids``, ``meta_info``.
+        ``lora_path``: the loaded LoRA adapter to generate with (SGLang's; its ``lora_name``)."""
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         if input_ids is not None:
             payload["input_ids"] = input_ids
         if text is not None:
@@ -104,7 +107,7 @@ class EngineClient:
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | None = None,
                              return_logprob: bool = True, rid: str | None = None,
-                             timeout: float | None = None) -> list[dict]:
+                             timeout: float | None = None, lora_path: str | None = None) -> list[dict]:
         """POST /generate in SGLang's batch form: several prompts, one shared ``sampling_params``.
 
         Returns one response per prompt, in order. ``rid`` (one string) names the batch; the
@@ -117,6 +120,8 @@ class EngineClient:
             raise ValueError("input_ids: an empty batch")
         payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params or {},
                                    "return_logprob": return_logprob}
+        if lora_path is not None:  # one adapter for the whole batch
+            payload["lora_path"] = lora_path
         if rid is not None:
             payload["rid"] = rid
         out = await self.request("POST", "/generate", payload, timeout)

@@ -283,13 +283,17 @@ class TrainerRank:
         (``progress``: ``WeightSender.push``'s). Gathered completely before the push starts, so a
         failing push never leaves the other ranks waiting in the middle of the gather."""
         t0 = time.perf_counter()
-        named = list(self.backend.named_hf_weights())
+        adapter = self.backend.adapter() if hasattr(self.backend, "adapter") else None  # LoRA: only it travels
+        named = list(self.backend.named_hf_weights()) if adapter is None else []
         gathered = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.rank == 0:
             if self.sender is None:
                 raise RuntimeError("push_weights: connect_weight_sync was not called")
-            metrics = self.sender.push(named, version, progress)
+            if adapter is not None:
+                metrics = self.sender.push_adapter(*adapter, version)
+            else:
+                metrics = self.sender.push(named, version, progress)
             metrics.update({WEIGHT_GATHER_TIME.key: gathered - t0, WEIGHT_PUSH_RANK_TIME.key: time.perf_counter() - t0})
         del named  # the gathered copies (FSDP2, TP/PP) count in this phase, not the next
         if self.cuda:

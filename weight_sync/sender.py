@@ -24,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Awaitable, Callable, NamedTuple
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 
 from metric_keys import WEIGHT_VERSION_RECORD_TIME
 from sglang_protocol.client import normalize_url
@@ -36,6 +36,9 @@ from weight_sync.link import PushFailed
 from weight_sync.plan import check_tensors, push_specs
 from weight_sync.transports import PostWrite, make_transport
 from weight_sync.transports.base import Payload, Progress, Resume
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ class WeightSender:
         self._closed = False
         # a list records each push's timeline, (event, bucket or -1, perf_counter()); bench/weight_sync.py prints it
         self.trace: list[tuple[str, int, float]] | None = None
+        self._adapter = None  # weight_sync.lora.AdapterPush, made at the first push_adapter
 
     # --- public API --------------------------------------------------------------------------
     def connect(self, engine_urls: list[str], engine_gpus: list[int] | None = None) -> None:
@@ -146,6 +150,27 @@ class WeightSender:
             metrics[WEIGHT_VERSION_RECORD_TIME.key] = time.perf_counter() - t0
         return metrics
 
+    def push_adapter(self, config: dict, tensors: dict[str, "torch.Tensor"], version: int) -> dict[str, float]:
+        """Push a LoRA adapter (peft's ``adapter_config`` and tensors) as version ``version``: only the
+        adapter travels (``weight_sync/lora.py``); the engines serve the base plus it under
+        ``POLICY_ADAPTER``. Records ``version`` like :meth:`push`."""
+        from weight_sync.lora import AdapterPush
+
+        if not self.engines:
+            raise RuntimeError("push_adapter: not connected (call connect() first)")
+        if self.version is not None and version < self.version:
+            raise ValueError(f"version {version}: older than the last pushed version {self.version}")
+        if self._adapter is None:
+            self._adapter = AdapterPush(self.settings)
+        metrics = self._loop.run(self._adapter.push(self.engines, config, tensors, version),
+                                 timeout=self._outer_timeout(8))
+        self.version = version
+        if self.version_sink is not None:
+            t0 = time.perf_counter()
+            self.version_sink(version)
+            metrics[WEIGHT_VERSION_RECORD_TIME.key] = time.perf_counter() - t0
+        return metrics
+
     def resync(self, engine_url: str, named_tensors: NamedTensors | None = None,
                version: int | None = None) -> dict[str, float]:
         """Bring back an engine that died (or missed pushes) once it is reachable again.
@@ -170,6 +195,8 @@ class WeightSender:
         if self._closed:
             return
         self._closed = True
+        if self._adapter is not None:
+            self._adapter.close()
         try:
             self._loop.run(self._close(), timeout=self.settings.timeout_s + 5)
         finally:

@@ -1,0 +1,116 @@
+"""Adapter-only weight sync: with LoRA (``--lora-rank``) a push sends the adapter, not the model.
+
+A push of version v (:meth:`weight_sync.sender.WeightSender.push_adapter`):
+1. write the adapter in peft's format (``sglang_protocol/lora_adapter.py``) to
+   ``<dir>/v<version>/`` (``--update-weight-disk-dir``; the launcher defaults it to the run's
+   ``lora_adapters/``), which the engines must be able to read (the embedded engines are allowed it);
+2. ``/pause_generation`` on every live engine (``--update-weight-pause-mode``);
+3. SGLang's ``/unload_lora_adapter`` then ``/load_lora_adapter`` ``{lora_name, lora_path}`` under
+   ``POLICY_ADAPTER``, the name the rollout's requests give as ``lora_path`` (SGLang refuses to load
+   a name that is loaded, hence the unload; an engine that never had it answers 400, ignored);
+4. ``/update_weight_version`` to v (adapter loads carry no version), so every sample generated
+   afterwards reports v;
+5. with ``--check-weight-update-equal``: the adapter each engine holds, read back
+   (``/lora_adapter_checksum``, the embedded engine's), compared with the trainer's byte for byte;
+6. ``/continue_generation``. Older versions' directories beyond ``--update-weight-disk-keep`` go.
+
+The disk route is the one SGLang also serves across hosts; colocated, ``/load_lora_adapter_from_tensors``
+(CUDA IPC) would avoid the file (not built: the CPU tier runs the disk route). A failed push raises
+(the engines that failed are named), leaving the engines paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from sglang_protocol.buckets import tensor_checksum
+from sglang_protocol.client import EngineError
+from sglang_protocol.lora_adapter import POLICY_ADAPTER, write_adapter
+from weight_sync.engines import EngineState, call_all
+from weight_sync.interfaces import WeightSyncSettings
+from weight_sync.link import PushFailed
+
+
+class AdapterPush:
+    """Pushes the trainer's LoRA adapter to engines (the steps of the module docstring)."""
+
+    def __init__(self, settings: WeightSyncSettings) -> None:
+        self.settings = settings
+        self._own_dir = settings.disk_dir is None
+        self.dir = settings.disk_dir or tempfile.mkdtemp(prefix="reservoir-lora-")
+        self._written: list[str] = []
+
+    async def push(self, engines: list[EngineState], config: dict, tensors: dict[str, torch.Tensor],
+                   version: int) -> dict[str, float]:
+        s = self.settings
+        members = [e for e in engines if e.alive]
+        if not members:
+            raise RuntimeError(f"push_adapter v{version}: no live engine")
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.path.join(self.dir, f"v{version}"))
+        loop = asyncio.get_running_loop()
+        nbytes = await loop.run_in_executor(None, write_adapter, path, config, tensors)
+        written = time.perf_counter()
+        t_pause = time.perf_counter()
+        await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
+        await call_all(members, _unload, "unload_lora_adapter")
+        await call_all(members, lambda c: c.request("POST", "/load_lora_adapter", {
+            "lora_name": POLICY_ADAPTER, "lora_path": path}, timeout=s.timeout_s, admin=True), "load_lora_adapter")
+        await call_all(members, lambda c: c.request("POST", "/update_weight_version", {
+            "new_version": str(version), "abort_all_requests": False}, timeout=s.timeout_s, admin=True),
+            "update_weight_version")
+        loaded = time.perf_counter()
+        check_s = await self._check(members, tensors) if s.check_equal else 0.0
+        await call_all(members, lambda c: c.continue_generation(), "continue_generation")
+        t1 = time.perf_counter()
+        for e in members:
+            e.version = version
+        self._written.append(path)
+        while len(self._written) > s.disk_keep:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        return {"weight_sync/time_s": t1 - t_pause, "weight_sync/transfer_s": loaded - t_pause,
+                "weight_sync/write_s": written - t0, "weight_sync/check_s": check_s,
+                "weight_sync/total_s": t1 - t0, "weight_sync/bytes": float(nbytes),
+                "weight_sync/num_tensors": float(len(tensors)), "weight_sync/engines": float(len(members)),
+                "weight_sync/attempts": 1.0, "weight_sync/version": float(version), "weight_sync/adapter": 1.0}
+
+    async def _check(self, members: list[EngineState], tensors: dict[str, torch.Tensor]) -> float:
+        """Each engine's adapter, read back as checksums, against the trainer's (RuntimeError naming
+        the tensor and the engine)."""
+        t = time.perf_counter()
+        mine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: {n: tensor_checksum(x.detach().cpu().contiguous()) for n, x in tensors.items()})
+        try:
+            theirs = await call_all(members, lambda c: c.request("GET", f"/lora_adapter_checksum?lora_name="
+                                                                  f"{POLICY_ADAPTER}", timeout=self.settings.timeout_s),
+                                    "lora_adapter_checksum")
+        except PushFailed as e:
+            raise RuntimeError(f"check_weight_update_equal: cannot read the adapter back ({e}); --check-weight-update"
+                               "-equal with --lora-rank needs engines serving /lora_adapter_checksum (the embedded "
+                               "engine)") from e
+        for e, sums in zip(members, theirs):
+            for n, want in mine.items():
+                if sums.get(n) != want:
+                    raise RuntimeError(f"check_weight_update_equal: adapter tensor {n!r} differs on engine {e.url}: "
+                                       f"engine {sums.get(n)!r} != trainer {want!r}")
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def _unload(client) -> dict:
+    """``/unload_lora_adapter`` of the policy's adapter; an engine that does not hold it is fine."""
+    try:
+        return await client.request("POST", "/unload_lora_adapter", {"lora_name": POLICY_ADAPTER}, admin=True)
+    except EngineError as e:
+        if e.status == 400 and "not loaded" in str(e) or e.status == 400 and "does not exist" in str(e):
+            return {"success": True}
+        raise
