@@ -272,6 +272,9 @@ class TrainerRank:
             post_write = load_post_write_hook(plugin_args(self.train))
         self.sender = WeightSender(settings, version_sink=version_sink, post_write=post_write)
         self.sender.connect(engine_urls, engine_gpus)
+        adapter = self.backend.adapter() if hasattr(self.backend, "adapter") else None
+        if adapter is not None:  # LoRA: the rollouts name the adapter from the first one on (version 0)
+            self.sender.push_adapter(*adapter, 0, record=False)
 
     def set_weight_sync_engines(self, engine_urls: list[str], engine_gpus: list[int]) -> None:
         """Rank 0: the engines the next push goes to (an elastic fleet). Others: nothing."""

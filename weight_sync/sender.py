@@ -150,10 +150,12 @@ class WeightSender:
             metrics[WEIGHT_VERSION_RECORD_TIME.key] = time.perf_counter() - t0
         return metrics
 
-    def push_adapter(self, config: dict, tensors: dict[str, "torch.Tensor"], version: int) -> dict[str, float]:
+    def push_adapter(self, config: dict, tensors: dict[str, "torch.Tensor"], version: int,
+                     record: bool = True) -> dict[str, float]:
         """Push a LoRA adapter (peft's ``adapter_config`` and tensors) as version ``version``: only the
         adapter travels (``weight_sync/lora.py``); the engines serve the base plus it under
-        ``POLICY_ADAPTER``. Records ``version`` like :meth:`push`."""
+        ``POLICY_ADAPTER``. Records ``version`` like :meth:`push` (not with ``record`` False: the
+        initial adapter, which the engines need before the first rollout names it)."""
         from weight_sync.lora import AdapterPush
 
         if not self.engines:
@@ -165,7 +167,7 @@ class WeightSender:
         metrics = self._loop.run(self._adapter.push(self.engines, config, tensors, version),
                                  timeout=self._outer_timeout(8))
         self.version = version
-        if self.version_sink is not None:
+        if self.version_sink is not None and record:
             t0 = time.perf_counter()
             self.version_sink(version)
             metrics[WEIGHT_VERSION_RECORD_TIME.key] = time.perf_counter() - t0
