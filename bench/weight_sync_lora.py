@@ -1,0 +1,116 @@
+"""Benchmark: an adapter-only push (``--lora-rank``) against a full push of the same model, same run.
+
+    python bench/weight_sync_lora.py                    # SmolLM2-135M- and 1.5B-shaped, CPU, ~10 GB RAM
+
+Per set: one embedded bf16 engine (``--load-format dummy --enable-lora``) on a llama model of the
+set's shapes; one ``WeightSender`` pushes random bf16 weights of those shapes in full (gloo, the
+default transport) ``--repeats`` times, and a random rank-``--rank`` adapter on every linear layer
+(peft's format, ``/load_lora_adapter``; ``weight_sync/lora.py``) ``--repeats`` times. Times are
+pause to continue (what generation loses) and the whole call (the adapter's file write included);
+bytes are what travels. ``ratio`` = full-push time / adapter-push time (whole calls, medians) at 1.5B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.weight_sync import SETS, make_weights, start_engine, write_template  # noqa: E402
+
+SETS.setdefault("smollm2-135m", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152))
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapter(named, rank: int, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A peft adapter of rank ``rank`` on every linear layer of ``named`` (float32, as the trainer's)."""
+    from sglang_protocol.lora_adapter import peft_config
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for n, t in named:
+        module = n.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in LINEAR:
+            out, inp = t.shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.01
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01
+    return peft_config(rank, 2.0 * rank, list(LINEAR)), tensors
+
+
+def bench_set(name: str, args, work: Path, port: int) -> dict:
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    tmpl = write_template(name, work)
+    engine = start_engine(tmpl, "cpu", port, extra=("--load-format", "dummy", "--enable-lora", "--max-lora-rank",
+                                                    str(args.rank), "--weight-update-dirs", str(work)))
+    named = make_weights(name, "cpu")
+    config, adapter = random_adapter(named, args.rank)
+    full, lora = [], []
+    try:
+        s = WeightSyncSettings(timeout_s=1200, disk_dir=str(work / "adapters"))
+        with WeightSender(s) as sender:
+            sender.connect([f"http://127.0.0.1:{port}"])
+            version = 0
+            for _ in range(args.repeats):
+                version += 1
+                t0 = time.perf_counter()
+                m = sender.push(named, version)
+                full.append({"time_s": m["weight_sync/time_s"], "total_s": time.perf_counter() - t0,
+                             "bytes": m["weight_sync/bytes"]})
+                version += 1
+                t0 = time.perf_counter()
+                m = sender.push_adapter(config, adapter, version)
+                lora.append({"time_s": m["weight_sync/time_s"], "total_s": time.perf_counter() - t0,
+                             "bytes": m["weight_sync/bytes"]})
+                print(f"{name}: full {full[-1]['total_s']:.3f} s {full[-1]['bytes'] / 2**20:.1f} MiB; adapter "
+                      f"{lora[-1]['total_s']:.3f} s {lora[-1]['bytes'] / 2**20:.2f} MiB", file=sys.stderr, flush=True)
+    finally:
+        engine.kill()
+        engine.wait(30)
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {"parameters": sum(t.numel() for _, t in named), "rank": args.rank,
+            "full_bytes": med(full, "bytes"), "adapter_bytes": med(lora, "bytes"),
+            "full_time_s": med(full, "time_s"), "adapter_time_s": med(lora, "time_s"),
+            "full_total_s": med(full, "total_s"), "adapter_total_s": med(lora, "total_s"),
+            "bytes_ratio": med(full, "bytes") / med(lora, "bytes"),
+            "time_ratio": med(full, "total_s") / med(lora, "total_s"), "full": full, "adapter": lora}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from sglang_protocol.net import pick_port
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sets", nargs="+", default=["smollm2-135m", "1.5B"])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/weight_sync_lora.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sets:
+            results[name] = bench_set(name, args, Path(tmp), pick_port("127.0.0.1"))
+    out = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": f"{platform.machine()} CPU, "
+           f"{__import__('os').cpu_count()} cores (shared)", "command": "python bench/weight_sync_lora.py "
+           + " ".join(argv or sys.argv[1:]), "sets": results,
+           "ratio": results["1.5B"]["time_ratio"] if "1.5B" in results else None}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "sets"}), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
