@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from flags import add_flags, from_args, section
+from flags import add_flags, flag_of, from_args, section
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.lora import LoraSettings
 from train_backend.settings import G_HOOKS, G_OPT, MIS_FLAGS, TrainSettings
@@ -44,8 +44,12 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     if norm_length is None and args.loss_agg == "seq_mean_token_sum_norm":
         norm_length = args.rollout_max_response_len  # Dr. GRPO divides by the generation budget
     args.use_tis = use_tis_by_default(args)  # plugins (and mis.yaml's check) see the value in use, not None
+    lora = from_args(LoraSettings, args)
+    if lora.enabled and args.train_backend == "megatron":  # LoRA is built on the torch backend only
+        raise ValueError(f"{flag_of(LoraSettings, 'rank')} {lora.rank}: LoRA is built on the torch backend only; "
+                         f"{flag_of(TrainSettings, 'backend')} megatron refuses it (use torch)")
     return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args),
-                     lora=from_args(LoraSettings, args))
+                     lora=lora)
 
 
 def use_tis_by_default(args: argparse.Namespace) -> bool:

@@ -233,9 +233,6 @@ class TrainSettings:
         check_choice(self, "optimizer", OPTIMIZERS)
         check_choice(self, "loss_type", LOSS_TYPES)
         self._validate_slime_flags()
-        if self.lora is not None and self.lora.enabled and self.backend == "megatron":
-            raise SettingError("backend", f"--lora-rank {self.lora.rank}: LoRA is built on the torch backend only; "
-                                          "{backend}=megatron refuses it (use --train-backend torch)")
         if (self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
                 and not self.normalize_advantages):
             # slime asserts the same: these estimators leave the raw (or group-centred) reward unscaled
