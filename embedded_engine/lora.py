@@ -8,8 +8,9 @@ name that is loaded already fails; a ``/generate`` names its adapter with ``lora
 ``lora_name`` (absent: the base model).
 
 How it is served here: the simplest correct way, not SGLang's batched LoRA kernels. Each adapter
-is kept as its merged deltas ``scaling * B @ A`` per target weight; the model's weights hold the
-base plus at most one adapter's deltas at a time, and the scheduler admits together only requests
+is kept as loaded (``A``, ``B``); the model's weights hold the base plus at most one adapter's
+merged deltas ``scaling * B @ A`` at a time (merged when a request first runs with it, so a load is
+only the read), and the scheduler admits together only requests
 of the adapter merged in (it switches, via :meth:`LoraAdapters.switch`, only when no request is
 running), so every request sees the base plus its own adapter for its whole life. The base values
 of the weights an adapter changes are kept to switch back exactly.
@@ -46,9 +47,9 @@ class LoraAdapters:
         self._params = params
         self._scheduler = scheduler
         self._uids = itertools.count(1)
-        # lora_name -> (uid, config, the adapter's tensors as loaded, {weight name: merged delta})
-        self._adapters: dict[str, tuple[int, dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
-        self._by_uid: dict[int, dict[str, torch.Tensor]] = {}
+        # lora_name -> (uid, config, the adapter's tensors as loaded)
+        self._adapters: dict[str, tuple[int, dict, dict[str, torch.Tensor]]] = {}
+        self._by_uid: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}
         self._base: dict[str, torch.Tensor] = {}  # base values of the weights the merged adapter changed
         self.merged: int | None = None  # uid of the adapter in the weights (scheduler thread)
         if enabled:
@@ -101,10 +102,10 @@ class LoraAdapters:
             if a.shape != (rank, p.shape[1]) or b.shape != (p.shape[0], rank):
                 raise LoraError(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the weight "
                                 f"{list(p.shape)} at rank {rank}")
-        deltas = merged_deltas(config, tensors, dtype=next(iter(self._params.values())).dtype)
         uid = next(self._uids)
-        self._adapters[name] = (uid, config, {k: v.clone() for k, v in tensors.items()}, deltas)
-        self._by_uid[uid] = deltas
+        held = {k: v.clone() for k, v in tensors.items()}
+        self._adapters[name] = (uid, config, held)
+        self._by_uid[uid] = (config, held)  # merged when a request first runs with it (switch)
 
     def unload(self, name: str) -> None:
         """Forget ``name``; requests still running with it finish on the weights they started with."""
@@ -133,17 +134,20 @@ class LoraAdapters:
     def switch(self, uid: int | None) -> None:
         """Make the weights hold the base plus adapter ``uid`` (None: the base alone). Called by the
         scheduler between forwards with no request running; LoraError if ``uid`` was unloaded."""
-        deltas = self._by_uid.get(uid) if uid is not None else {}
-        if deltas is None:
+        adapter = self._by_uid.get(uid) if uid is not None else None
+        if uid is not None and adapter is None:
             raise LoraError(f"the LoRA adapter of this request was unloaded (uid {uid})")
         with torch.no_grad():
             for name, base in self._base.items():
                 self._params[name].copy_(base)
             self._base = {}
-            for name, delta in deltas.items():
-                p = self._params[name]
-                self._base[name] = p.detach().clone()
-                p.add_(delta)
+            if adapter is not None:
+                config, tensors = adapter
+                for module, pair in module_pairs(tensors).items():  # one weight's delta at a time
+                    p = self._params[f"{module}.weight"]
+                    self._base[f"{module}.weight"] = p.detach().clone()
+                    delta = merged_deltas(config, {"a.lora_A.weight": pair[0], "a.lora_B.weight": pair[1]}, p.dtype)
+                    p.add_(delta["a.weight"])
         self.merged = uid
 
 
