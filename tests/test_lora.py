@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _fixtures_engine import engine_model  # noqa: F401
 from flags import from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,8 @@ def test_toy_task_learns_with_lora_and_adapter_only_pushes(warm_toy, tmp_path):
     model_bytes = sum(f.stat().st_size for f in warm_toy.glob("*.safetensors"))
     for r in steps:
         assert r["weight_sync/adapter"] == 1.0 and r["weight_sync/engines"] == 2
-        assert 0 < r["weight_sync/bytes"] < model_bytes / 4  # the adapter, not the model
+        # the adapter, not the model (rank 16 of the toy's hidden size 64: a third of its bytes)
+        assert 0 < r["weight_sync/bytes"] < model_bytes / 2
         assert r["weight_sync/check_s"] > 0  # both engines' adapters read back and compared
         assert r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"]
         # served = trained: an engine serving the base, or a stale adapter, differs by ~1e-2 here
@@ -97,3 +99,86 @@ def test_megatron_refuses_lora_at_start_up(toy_model_dir, tmp_path):
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "--lora-rank 16" in last and "megatron" in last, proc.stderr[-2000:]
+
+
+# --- the engine side: SGLang's LoRA routes on the embedded engine, and the adapter push ----------------------------
+
+def _trained_adapter(model_dir: Path, seed: int = 0):
+    """A peft model of the toy model with a random (non-zero) rank-4 adapter on q_proj and v_proj."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train_backend.lora import LoraSettings, wrap
+
+    model = wrap(AutoModelForCausalLM.from_pretrained(model_dir),
+                 from_args(LoraSettings, _lora_args(lora_rank=4, lora_alpha=8.0, target_modules="q_proj,v_proj")))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def _logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
+    import torch
+
+    ids = torch.tensor([prompt + out])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+
+
+def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_model, tmp_path):  # noqa: F811 (the fixture)
+    """WeightSender.push_adapter to an embedded engine with --enable-lora: the adapter read back
+    equals the trainer's (--check-weight-update-equal), a request naming it samples from base +
+    adapter (its log-probs equal peft's), a request without lora_path from the base alone, and
+    SGLang's errors (a second load of a loaded name, an unknown lora_path, no --enable-lora) are 400s."""
+    from _fixtures_engine import run, start_engine, stop_process
+    from sglang_protocol.client import EngineClient, EngineError
+    from sglang_protocol.lora_adapter import POLICY_ADAPTER
+    from train_backend.lora import adapter_config, adapter_tensors
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    peft_model = _trained_adapter(engine_model)
+    proc, url = start_engine(engine_model, enable_lora=True, max_lora_rank=8, weight_update_dirs=str(tmp_path))
+    try:
+        versions: list[int] = []
+        with WeightSender(WeightSyncSettings(check_equal=True, disk_dir=str(tmp_path / "adapters")),
+                          version_sink=versions.append) as sender:
+            sender.connect([url])
+            m = sender.push_adapter(adapter_config(peft_model, str(engine_model)), adapter_tensors(peft_model), 3)
+        assert versions == [3] and m["weight_sync/check_s"] > 0 and m["weight_sync/adapter"] == 1.0
+
+        async def scenario() -> None:
+            async with EngineClient(url) as c:
+                prompt = [1, 5, 6, 7, 8]
+                greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+                tuned = await c.generate(input_ids=prompt, sampling_params=greedy, lora_path=POLICY_ADAPTER)
+                base = await c.generate(input_ids=prompt, sampling_params=greedy)
+                assert tuned["meta_info"]["weight_version"] == "3"
+                for r, want in ((tuned, peft_model), (base, None)):
+                    out = r["output_ids"]
+                    got = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
+                    if want is None:
+                        with peft_model.disable_adapter():
+                            ref = _logprobs(peft_model, prompt, out)
+                    else:
+                        ref = _logprobs(want, prompt, out)
+                    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
+                with peft_model.disable_adapter():  # the adapter changes the model: the check above can fail
+                    base_ref = _logprobs(peft_model, prompt, tuned["output_ids"])
+                tuned_lps = [lp for lp, _, _ in tuned["meta_info"]["output_token_logprobs"]]
+                assert max(abs(a - b) for a, b in zip(tuned_lps, base_ref)) > 1e-2
+                ckpt = str(tmp_path / "adapters" / "v3")
+                with pytest.raises(EngineError, match="already loaded"):
+                    await c.request("POST", "/load_lora_adapter", {"lora_name": POLICY_ADAPTER, "lora_path": ckpt})
+                with pytest.raises(EngineError, match="lora_path: the LoRA adapter 'nope' is not loaded"):
+                    await c.generate(input_ids=prompt, sampling_params=greedy, lora_path="nope")
+                await c.request("POST", "/unload_lora_adapter", {"lora_name": POLICY_ADAPTER})
+                with pytest.raises(EngineError, match="not loaded"):
+                    await c.generate(input_ids=prompt, sampling_params=greedy, lora_path=POLICY_ADAPTER)
+        run(scenario())
+    finally:
+        stop_process(proc)
