@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,40 @@ def test_toy_task_learns_with_lora_and_adapter_only_pushes(warm_toy, tmp_path):
     adapters = list((tmp_path / "ckpt").rglob("adapter_model.safetensors"))
     assert adapters and all((a.parent / "adapter_config.json").is_file() for a in adapters)
     assert not list((tmp_path / "ckpt").rglob("model.safetensors"))
+
+
+@pytest.mark.slow  # CI time (two launcher runs); tests/test_e2e_train.py's resume test covers full weights in CI
+def test_sigkill_and_resume_with_lora_trains_every_group_once_on_the_restored_adapter(warm_toy, tmp_path):
+    """Killed in step 5 (checkpoint of step 3), resumed with --load: every group of every step
+    trained once, on-policy, and from the resumed step on the engines serve the restored adapter
+    (their log-probs equal the trainer's, which loaded the adapter and its optimizer state)."""
+    from buffer.arrow import read_parquet
+
+    out, ckpt = tmp_path / "resume", tmp_path / "ckpt"
+    n_steps, batch = 8, 16
+    extra = ["--num-rollout", str(n_steps), "--save", str(ckpt), "--save-interval", "2",
+             "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"), "--rollout-batch-size", str(batch)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="after_get:5")
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(lora_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, stdout=log, stderr=log,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=300)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-4000:]
+    assert json.loads((ckpt / "latest.json").read_text())["step"] == 3
+    assert list(ckpt.rglob("adapter_model.safetensors"))
+    proc = subprocess.run(lora_cmd(warm_toy, out, *extra, "--load", str(ckpt)), cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in r]
+    assert [r["step"] for r in steps] == list(range(n_steps))
+    assert all(r["train/train_rollout_logp_abs_diff"] < 1e-4 for r in steps), steps
+    batches = [read_parquet(out / f"dump_{step}.parquet") for step in range(n_steps)]
+    assert sorted(g[0].group_index for groups in batches for g in groups) == list(range(n_steps * batch))
+    assert all(min(s.weight_versions) == step for step, groups in enumerate(batches) for g in groups for s in g)
 
 
 def _lora_args(**kw) -> argparse.Namespace:
@@ -182,3 +217,44 @@ def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_mod
         run(scenario())
     finally:
         stop_process(proc)
+
+
+def test_checkpoint_holds_the_adapter_and_its_optimizer_only_and_load_restores_them(toy_model_dir, tmp_path):
+    """save() writes the adapter and its AdamW state (not the base) and the adapter in peft's format;
+    load() into a fresh backend restores both exactly."""
+    import torch
+
+    from sglang_protocol.lora_adapter import read_adapter
+    from train_backend.lora import LoraSettings
+    from train_backend.settings import TrainSettings
+    from train_backend.torch_backend import TorchBackend
+
+    def backend() -> TorchBackend:
+        return TorchBackend(TrainSettings(hf_checkpoint=str(toy_model_dir), lr=1e-2,
+                                          lora=from_args(LoraSettings, _lora_args(lora_rank=4))))
+
+    a = backend()
+    assert all(("lora_" in n) == p.requires_grad for n, p in a.model.named_parameters())
+    assert {id(p) for g in a.optimizer.param_groups for p in g["params"]} == \
+        {id(p) for p in a.model.parameters() if p.requires_grad}
+    for _ in range(2):  # moves the adapter (B starts at 0) and fills Adam's moments
+        for p in a.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.randn_like(p)
+        a.optimizer_step()
+    a.save(str(tmp_path / "ckpt"))
+    base_bytes = sum(f.stat().st_size for f in toy_model_dir.glob("*.safetensors"))
+    saved = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "dcp").rglob("*") if f.is_file())
+    assert saved < base_bytes  # adapter + 2 Adam moments of it; the full model alone would be base_bytes
+    config, peft_tensors = read_adapter(str(tmp_path / "ckpt" / "adapter"))
+    assert config["r"] == 4 and set(peft_tensors) == set(a.adapter()[1])
+
+    b = backend()
+    assert any(not torch.equal(b.adapter()[1][k], v) for k, v in a.adapter()[1].items())  # fresh: differs
+    b.load(str(tmp_path / "ckpt"))
+    for k, v in a.adapter()[1].items():
+        assert torch.equal(b.adapter()[1][k], v), k
+        assert torch.equal(peft_tensors[k], v), k
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+    assert b.optimizer_steps == 2
