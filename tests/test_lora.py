@@ -168,7 +168,8 @@ def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_mod
     """WeightSender.push_adapter to an embedded engine with --enable-lora: the adapter read back
     equals the trainer's (--check-weight-update-equal), a request naming it samples from base +
     adapter (its log-probs equal peft's), a request without lora_path from the base alone, and
-    SGLang's errors (a second load of a loaded name, an unknown lora_path, no --enable-lora) are 400s."""
+    SGLang's errors (a second load of a loaded name, an unknown lora_path) are 400s; the same adapter
+    loaded through /load_lora_adapter_from_tensors serves the same tokens."""
     from _fixtures_engine import run, start_engine, stop_process
     from sglang_protocol.client import EngineClient, EngineError
     from sglang_protocol.lora_adapter import POLICY_ADAPTER
@@ -206,6 +207,16 @@ def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_mod
                     base_ref = _logprobs(peft_model, prompt, tuned["output_ids"])
                 tuned_lps = [lp for lp, _, _ in tuned["meta_info"]["output_token_logprobs"]]
                 assert max(abs(a - b) for a, b in zip(tuned_lps, base_ref)) > 1e-2
+                # SGLang's /load_lora_adapter_from_tensors (the colocated route): the same adapter, another name
+                from sglang_protocol.tensor_update import serialize
+
+                tensors = adapter_tensors(peft_model)
+                await c.request("POST", "/load_lora_adapter_from_tensors", {
+                    "lora_name": "from_tensors", "config_dict": adapter_config(peft_model),
+                    "serialized_named_tensors": [serialize(list(tensors.items()))]})
+                again = await c.generate(input_ids=prompt, sampling_params=greedy, lora_path="from_tensors")
+                assert again["output_ids"] == tuned["output_ids"]
+                assert [x[0] for x in again["meta_info"]["output_token_logprobs"]] == tuned_lps
                 ckpt = str(tmp_path / "adapters" / "v3")
                 with pytest.raises(EngineError, match="already loaded"):
                     await c.request("POST", "/load_lora_adapter", {"lora_name": POLICY_ADAPTER, "lora_path": ckpt})
@@ -258,3 +269,18 @@ def test_checkpoint_holds_the_adapter_and_its_optimizer_only_and_load_restores_t
     sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
     assert b.optimizer_steps == 2
+
+
+def test_an_engine_without_enable_lora_refuses_lora_path_and_adapters():
+    """SGLang serves lora_path only with --enable-lora; the embedded engine answers 400 naming it."""
+    from embedded_engine.lora import LoraAdapters, LoraError
+    from embedded_engine.settings import parse_settings
+
+    off = LoraAdapters({}, None, enabled=False, max_rank=None, target_modules=None)
+    assert off.resolve(None) is None
+    with pytest.raises(LoraError, match=r"^lora_path: LoRA is not enabled on this engine \(start it with --enable-lora\)"):
+        off.resolve("policy")
+    s = parse_settings(["--model-path", "/m", "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                        "q_proj", "v_proj"])
+    assert (s.enable_lora, s.max_lora_rank, s.lora_modules()) == (True, 8, ["q_proj", "v_proj"])
+    assert "--enable-lora" in s.to_cli() and parse_settings(s.to_cli()).lora_modules() == ["q_proj", "v_proj"]
