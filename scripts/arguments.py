@@ -209,8 +209,15 @@ def _with_lora(lora: Any, rollout: Any, sync: Any, output_dir: str) -> tuple[Any
     """``--lora-rank``: the engines serve LoRA adapters (SGLang's --enable-lora), every /generate names
     the policy's adapter, and pushes write it under ``--update-weight-disk-dir`` (default: the run's
     ``lora_adapters/``), which the embedded engines are allowed to read (weight_sync/lora.py)."""
+    from rollout_manager.settings import EngineFleetSettings
     from sglang_protocol.lora_adapter import POLICY_ADAPTER
+    from train_backend.lora import LoraSettings
+    from weight_sync.interfaces import WeightSyncSettings
 
+    if sync.check_equal and rollout.engines.rollout_engine != "embedded":  # SGLang cannot read an adapter back
+        raise ValueError(f"{flag_of(WeightSyncSettings, 'check_equal')} with {flag_of(LoraSettings, 'rank')}: "
+                         f"{flag_of(EngineFleetSettings, 'rollout_engine')} {rollout.engines.rollout_engine} has no "
+                         "route reading an adapter back (the embedded engine's /lora_adapter_checksum)")
     modules = lora.modules()
     engines = dataclasses.replace(rollout.engines, lora_rank=lora.rank,
                                   lora_target_modules=None if modules == "all-linear" else modules)

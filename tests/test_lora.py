@@ -127,13 +127,19 @@ def test_a_target_module_the_model_lacks_is_refused_naming_the_flag(toy_model_di
     assert trainable and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in trainable)
 
 
-def test_megatron_refuses_lora_at_start_up(toy_model_dir, tmp_path):
-    """The launcher stops before starting anything, with one line naming --lora-rank."""
-    proc = subprocess.run(lora_cmd(toy_model_dir, tmp_path / "meg", "--train-backend", "megatron"), cwd=ROOT,
+@pytest.mark.parametrize("extra, words", [
+    (("--train-backend", "megatron"), ("--lora-rank 16", "--train-backend megatron")),
+    (("--check-weight-update-equal", "--rollout-engine", "sglang", "--rollout-num-gpus", "1"),
+     ("--check-weight-update-equal with --lora-rank", "--rollout-engine sglang")),
+    (("--lora-dropout", "1.5"), ("--lora-dropout=1.5 must be in [0, 1)",))])
+def test_launcher_refuses_lora_it_cannot_run_at_start_up(toy_model_dir, tmp_path, extra, words):
+    """The launcher stops before starting anything, with one line naming the flags: Megatron has no
+    LoRA; real SGLang cannot read an adapter back for --check-weight-update-equal; a bad value."""
+    proc = subprocess.run(lora_cmd(toy_model_dir, tmp_path / "refused", *extra), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert "--lora-rank 16" in last and "megatron" in last, proc.stderr[-2000:]
+    assert last.startswith("scripts/train.py: error: ") and all(w in last for w in words), proc.stderr[-2000:]
 
 
 # --- the engine side: SGLang's LoRA routes on the embedded engine, and the adapter push ----------------------------
