@@ -247,15 +247,14 @@ async def _group_request(ctx: RolloutContext, batch: list[Sample], params: dict,
         step.stats.requests += 1
         url, client = ctx.dispatcher.pick(retry.avoid)
         ctx.dispatcher.started(url, k)
+        lora = {"lora_path": s.lora_path} if s.lora_path else {}  # --lora-rank: the policy's adapter
         try:
             if k > 1:
                 outs = await client.generate_batch([x.tokens for x in batch], sampling_params=params,
-                                                   return_logprob=True, rid=rid, timeout=s.request_timeout,
-                                                   lora_path=s.lora_path)
+                                                   return_logprob=True, rid=rid, timeout=s.request_timeout, **lora)
             else:  # one sample: the plain form (no list to build or check)
                 outs = [await client.generate(input_ids=batch[0].tokens, sampling_params=params,
-                                              return_logprob=True, rid=rid, timeout=s.request_timeout,
-                                              lora_path=s.lora_path)]
+                                              return_logprob=True, rid=rid, timeout=s.request_timeout, **lora)]
         except EngineError as e:
             outs = None
             retry.avoid.add(url)
