@@ -290,3 +290,21 @@ def test_an_engine_without_enable_lora_refuses_lora_path_and_adapters():
                         "q_proj", "v_proj"])
     assert (s.enable_lora, s.max_lora_rank, s.lora_modules()) == (True, 8, ["q_proj", "v_proj"])
     assert "--enable-lora" in s.to_cli() and parse_settings(s.to_cli()).lora_modules() == ["q_proj", "v_proj"]
+
+
+def test_slime_generate_payloads_to_our_engines_name_the_adapter(monkeypatch):
+    """slime's generate functions build their own /generate payloads (post()): with --lora-rank the
+    ones to our router or engines get lora_path, unless they name an adapter; other calls are untouched."""
+    from types import SimpleNamespace
+
+    from slime_compat.utils import http_utils
+
+    ctx = SimpleNamespace(settings=SimpleNamespace(sampling=SimpleNamespace(lora_path="policy")))
+    monkeypatch.setattr(http_utils, "current_context", lambda default=None: ctx)
+    body = {"input_ids": [1, 2], "sampling_params": {}}
+    assert http_utils._with_adapter("http://r:1/generate", body, True) == {**body, "lora_path": "policy"}
+    assert http_utils._with_adapter("http://r:1/generate", {**body, "lora_path": "x"}, True)["lora_path"] == "x"
+    assert http_utils._with_adapter("http://teacher:2/generate", body, False) is body  # not our engines
+    assert http_utils._with_adapter("http://r:1/abort_request", body, True) is body
+    ctx.settings.sampling.lora_path = None
+    assert http_utils._with_adapter("http://r:1/generate", body, True) is body

@@ -79,6 +79,7 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
     if _off_the_managers_loop():
         return await on_manager_loop(post(url, payload, max_retries, headers))
     extra, timeout = _engine_request(url)
+    payload = _with_adapter(url, payload, timeout is not None)
     attempt = 0
     while True:
         try:
@@ -100,6 +101,17 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
     if isinstance(payload, dict):  # for --tito-check (rollout_manager/tito.py)
         note_engine_call(payload.get("input_ids", _engine_tokens(payload.get("text"))), out)
     return out
+
+
+def _with_adapter(url: str, payload: dict | None, ours: bool) -> dict | None:
+    """With ``--lora-rank``, a plugin's ``/generate`` to our router or engines names the policy's
+    adapter (SGLang's ``lora_path``) unless it names one itself: slime's generate functions build
+    their own payloads and know nothing of it, and without it they would sample from the base."""
+    ctx = current_context(None)
+    lora = ctx.settings.sampling.lora_path if ctx is not None else None
+    if not (lora and ours and isinstance(payload, dict) and url.rstrip("/").endswith("/generate")):
+        return payload
+    return payload if "lora_path" in payload else {**payload, "lora_path": lora}
 
 
 def _engine_tokens(text: Any) -> list[int] | None:
