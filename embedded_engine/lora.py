@@ -49,6 +49,7 @@ class LoraAdapters:
         self._uids = itertools.count(1)
         # lora_name -> (uid, config, the adapter's tensors as loaded)
         self._adapters: dict[str, tuple[int, dict, dict[str, torch.Tensor]]] = {}
+        self._paths: dict[str, str] = {}  # lora_name -> where it was loaded from (SGLang's loaded_adapters)
         self._by_uid: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}
         self._base: dict[str, torch.Tensor] = {}  # base values of the weights the merged adapter changed
         self.merged: int | None = None  # uid of the adapter in the weights (scheduler thread)
@@ -58,7 +59,7 @@ class LoraAdapters:
     # --- the routes (event loop) ---------------------------------------------------------------
     def loaded(self) -> dict[str, str]:
         """SGLang's ``loaded_adapters``: ``{lora_name: lora_path}``."""
-        return {name: entry[1].get("_path", "__tensor__") for name, entry in self._adapters.items()}
+        return {name: self._paths.get(name, "__tensor__") for name in self._adapters}
 
     def resolve(self, lora_path: str | None) -> int | None:
         """The uid a ``/generate`` naming ``lora_path`` runs with (None: the base); LoraError if not loaded."""
@@ -73,9 +74,11 @@ class LoraAdapters:
         return entry[0]
 
     async def load_from_path(self, name: str, path: str) -> None:
+        if name in self._adapters:  # before reading the files, as SGLang's registry answers first
+            raise LoraError(f"lora_name: the LoRA adapter {name!r} is already loaded (unload it first)")
         config, tensors = await asyncio.get_running_loop().run_in_executor(None, read_adapter, path)
-        config["_path"] = path
         await self.load(name, config, tensors)
+        self._paths[name] = path
 
     async def load(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Check the adapter against the model and the engine's limits, then register it."""
@@ -112,6 +115,7 @@ class LoraAdapters:
         if name not in self._adapters:
             raise LoraError(f"lora_name: the LoRA adapter {name!r} is not loaded")
         uid = self._adapters.pop(name)[0]
+        self._paths.pop(name, None)
         self._by_uid.pop(uid, None)
 
     async def checksums(self, name: str) -> dict[str, str]:

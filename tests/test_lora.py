@@ -170,8 +170,11 @@ def _logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
     return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
 
 
-def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_model, tmp_path):  # noqa: F811 (the fixture)
-    """WeightSender.push_adapter to an embedded engine with --enable-lora: the adapter read back
+@pytest.mark.parametrize("transport", ["auto", "tensor"])  # auto: the adapter goes from disk
+def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_model, tmp_path,  # noqa: F811 (fixture)
+                                                                       transport):
+    """WeightSender.push_adapter to an embedded engine with --enable-lora (from disk, or from tensors as
+    colocated pushes load it): the adapter read back
     equals the trainer's (--check-weight-update-equal), a request naming it samples from base +
     adapter (its log-probs equal peft's), a request without lora_path from the base alone, and
     SGLang's errors (a second load of a loaded name, an unknown lora_path) are 400s; the same adapter
@@ -187,7 +190,7 @@ def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_mod
     proc, url = start_engine(engine_model, enable_lora=True, max_lora_rank=8, weight_update_dirs=str(tmp_path))
     try:
         versions: list[int] = []
-        with WeightSender(WeightSyncSettings(check_equal=True, disk_dir=str(tmp_path / "adapters")),
+        with WeightSender(WeightSyncSettings(transport=transport, check_equal=True, disk_dir=str(tmp_path / "adapters")),
                           version_sink=versions.append) as sender:
             sender.connect([url])
             m = sender.push_adapter(adapter_config(peft_model, str(engine_model)), adapter_tensors(peft_model), 3)

@@ -79,11 +79,8 @@ def wrap(model: "torch.nn.Module", lora: LoraSettings) -> "torch.nn.Module":
 def adapter_config(model: "torch.nn.Module", base_model: str | None = None) -> dict:
     """The adapter's ``adapter_config.json`` (peft's, as ``save_pretrained`` writes it)."""
     cfg = model.peft_config["default"].to_dict()
-    cfg["target_modules"] = sorted(cfg["target_modules"]) if isinstance(cfg["target_modules"], (set, list)) \
-        else cfg["target_modules"]
-    cfg["base_model_name_or_path"] = base_model
-    cfg["inference_mode"] = True
-    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+    cfg.update(base_model_name_or_path=base_model, inference_mode=True)
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}  # JSON: sets as sorted lists
 
 
 def adapter_tensors(model: "torch.nn.Module") -> dict[str, "torch.Tensor"]:

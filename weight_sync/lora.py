@@ -3,7 +3,8 @@
 A push of version v (:meth:`weight_sync.sender.WeightSender.push_adapter`):
 1. write the adapter in peft's format (``sglang_protocol/lora_adapter.py``) to
    ``<dir>/v<version>/`` (``--update-weight-disk-dir``; the launcher defaults it to the run's
-   ``lora_adapters/``), which the engines must be able to read (the embedded engines are allowed it);
+   ``lora_adapters/``), which the engines must be able to read (the embedded engines are allowed it;
+   the ``tensor`` transport skips the file, below);
 2. ``/pause_generation`` on every live engine (``--update-weight-pause-mode``);
 3. SGLang's ``/unload_lora_adapter`` then ``/load_lora_adapter`` ``{lora_name, lora_path}`` under
    ``POLICY_ADAPTER``, the name the rollout's requests give as ``lora_path`` (SGLang refuses to load
@@ -14,9 +15,11 @@ A push of version v (:meth:`weight_sync.sender.WeightSender.push_adapter`):
    (``/lora_adapter_checksum``, the embedded engine's), compared with the trainer's byte for byte;
 6. ``/continue_generation``. Older versions' directories beyond ``--update-weight-disk-keep`` go.
 
-The disk route is the one SGLang also serves across hosts; colocated, ``/load_lora_adapter_from_tensors``
-(CUDA IPC) would avoid the file (not built: the CPU tier runs the disk route). A failed push raises
-(the engines that failed are named), leaving the engines paused.
+With the ``tensor`` transport (colocated, ``--colocate``) step 1 writes no file: step 3 loads with
+SGLang's ``/load_lora_adapter_from_tensors`` ``{lora_name, config_dict, serialized_named_tensors}``,
+handles to a copy of the adapter (CUDA IPC on GPUs, shared memory on the CPU), one per TP rank.
+The disk route is the one that also works across hosts. A failed push raises (the engines that
+failed are named), leaving the engines paused.
 """
 
 from __future__ import annotations
@@ -53,15 +56,32 @@ class AdapterPush:
         if not members:
             raise RuntimeError(f"push_adapter v{version}: no live engine")
         t0 = time.perf_counter()
-        path = os.path.abspath(os.path.join(self.dir, f"v{version}"))
         loop = asyncio.get_running_loop()
-        nbytes = await loop.run_in_executor(None, write_adapter, path, config, tensors)
+        by_tensors = s.resolved_transport() == "tensor"  # colocated: handles to copies, no file
+        if by_tensors:
+            from sglang_protocol.tensor_update import serialize
+
+            copies = [(n, t.detach().clone()) for n, t in tensors.items()]  # alive until every engine copied them
+            nbytes = sum(t.numel() * t.element_size() for _, t in copies)
+            blob = await loop.run_in_executor(None, serialize, copies)
+            route, body = "/load_lora_adapter_from_tensors", {"lora_name": POLICY_ADAPTER, "config_dict": config}
+        else:
+            path = os.path.abspath(os.path.join(self.dir, f"v{version}"))
+            nbytes = await loop.run_in_executor(None, write_adapter, path, config, tensors)
+            route, body = "/load_lora_adapter", {"lora_name": POLICY_ADAPTER, "lora_path": path}
+
+        async def load(e: EngineState) -> dict:
+            per_rank = {"serialized_named_tensors": [blob] * e.gpus} if by_tensors else {}  # one copy per TP rank
+            return await e.client.request("POST", route, {**body, **per_rank}, timeout=s.timeout_s, admin=True)
         written = time.perf_counter()
         t_pause = time.perf_counter()
         await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
         await call_all(members, _unload, "unload_lora_adapter")
-        await call_all(members, lambda c: c.request("POST", "/load_lora_adapter", {
-            "lora_name": POLICY_ADAPTER, "lora_path": path}, timeout=s.timeout_s, admin=True), "load_lora_adapter")
+        outs = await asyncio.gather(*(load(e) for e in members), return_exceptions=True)
+        failed = {e.url: f"load_lora_adapter: {type(o).__name__}: {o}" for e, o in zip(members, outs)
+                  if isinstance(o, BaseException)}
+        if failed:
+            raise PushFailed(failed)
         await call_all(members, lambda c: c.request("POST", "/update_weight_version", {
             "new_version": str(version), "abort_all_requests": False}, timeout=s.timeout_s, admin=True),
             "update_weight_version")
@@ -71,7 +91,8 @@ class AdapterPush:
         t1 = time.perf_counter()
         for e in members:
             e.version = version
-        self._written.append(path)
+        if not by_tensors:
+            self._written.append(path)
         while len(self._written) > s.disk_keep:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return {"weight_sync/time_s": t1 - t_pause, "weight_sync/transfer_s": loaded - t_pause,
