@@ -160,16 +160,34 @@ def parse_target_modules(value: Any) -> list[str] | None:
     return module_suffixes(value or None)
 
 
-def decode_tensors(serialized: Any) -> dict[str, torch.Tensor]:
-    """``serialized_named_tensors`` of ``/load_lora_adapter_from_tensors``: TP rank 0's entry, a
-    payload as ``/update_weights_from_tensor`` carries it (``sglang_protocol.tensor_update``)."""
+def decode_tensors(serialized: Any, load_format: str | None = None,
+                   expected_checksums: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """``serialized_named_tensors`` of ``/load_lora_adapter_from_tensors``: TP rank 0's entry, as
+    SGLang's ``TpModelWorker.load_lora_adapter_from_tensors`` reads it: a ``{name: tensor}`` dict, or
+    with ``load_format`` ``flattened_bucket`` a flattened bucket (``sglang_protocol.tensor_update``).
+    ``expected_checksums`` (``{name: sha256 of the raw bytes}``): every tensor checked, none missing
+    nor extra, as SGLang checks them."""
     import pickle
 
-    from sglang_protocol.tensor_update import deserialize, named_tensors
+    from sglang_protocol.tensor_update import FLATTENED, deserialize, named_tensors
 
     if not isinstance(serialized, list) or not serialized:
         raise LoraError("serialized_named_tensors: expected a list with one payload per TP rank")
     try:
-        return {n: t.clone() for n, t in named_tensors(deserialize(serialized[0]), None)}
+        obj = deserialize(serialized[0])
+        if load_format == FLATTENED:
+            pairs = named_tensors(obj, FLATTENED)
+        elif isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+            pairs = list(obj.items())
+        else:
+            raise ValueError("expected a {name: tensor} dict (or load_format flattened_bucket)")
     except (pickle.UnpicklingError, ValueError) as e:
         raise LoraError(f"serialized_named_tensors: {e}") from e
+    tensors = {n: t.clone() for n, t in pairs}
+    if expected_checksums is not None:
+        got = {n: tensor_checksum(t) for n, t in tensors.items()}
+        bad = sorted(n for n in set(got) | set(expected_checksums) if got.get(n) != expected_checksums.get(n))
+        if bad:
+            raise LoraError(f"expected_checksums: {len(bad)} adapter tensor(s) differ, are missing or extra, "
+                            f"e.g. {bad[0]!r}")
+    return tensors

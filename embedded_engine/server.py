@@ -440,7 +440,8 @@ class Engine:
         config = b["config_dict"]
         if not isinstance(config, dict):
             raise ProtocolError("config_dict", "expected the adapter_config.json object")
-        await self.lora.load(str(b["lora_name"]), config, decode_tensors(b["serialized_named_tensors"]))
+        tensors = decode_tensors(b["serialized_named_tensors"], b.get("load_format"), b.get("expected_checksums"))
+        await self.lora.load(str(b["lora_name"]), config, tensors)
 
     async def unload_lora_adapter(self, b: dict) -> None:
         self.lora.unload(str(b["lora_name"]))

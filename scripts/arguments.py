@@ -214,10 +214,12 @@ def _with_lora(lora: Any, rollout: Any, sync: Any, output_dir: str) -> tuple[Any
     from train_backend.lora import LoraSettings
     from weight_sync.interfaces import WeightSyncSettings
 
-    if sync.check_equal and rollout.engines.rollout_engine != "embedded":  # SGLang cannot read an adapter back
+    if (sync.check_equal and rollout.engines.rollout_engine != "embedded"
+            and sync.resolved_transport() != "tensor"):  # SGLang reads no adapter back; it checks a tensor load
         raise ValueError(f"{flag_of(WeightSyncSettings, 'check_equal')} with {flag_of(LoraSettings, 'rank')}: "
                          f"{flag_of(EngineFleetSettings, 'rollout_engine')} {rollout.engines.rollout_engine} has no "
-                         "route reading an adapter back (the embedded engine's /lora_adapter_checksum)")
+                         "route reading an adapter back (the embedded engine's /lora_adapter_checksum); it checks an "
+                         "adapter loaded from tensors (--colocate)")
     modules = lora.modules()
     engines = dataclasses.replace(rollout.engines, lora_rank=lora.rank,
                                   lora_target_modules=None if modules == "all-linear" else modules)

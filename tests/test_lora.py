@@ -217,15 +217,21 @@ def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_mod
                 tuned_lps = [lp for lp, _, _ in tuned["meta_info"]["output_token_logprobs"]]
                 assert max(abs(a - b) for a, b in zip(tuned_lps, base_ref)) > 1e-2
                 # SGLang's /load_lora_adapter_from_tensors (the colocated route): the same adapter, another name
+                from sglang_protocol.buckets import tensor_checksum
                 from sglang_protocol.tensor_update import serialize
 
                 tensors = adapter_tensors(peft_model)
                 await c.request("POST", "/load_lora_adapter_from_tensors", {
                     "lora_name": "from_tensors", "config_dict": adapter_config(peft_model),
-                    "serialized_named_tensors": [serialize(list(tensors.items()))]})
+                    "serialized_named_tensors": [serialize(tensors)]})
                 again = await c.generate(input_ids=prompt, sampling_params=greedy, lora_path="from_tensors")
                 assert again["output_ids"] == tuned["output_ids"]
                 assert [x[0] for x in again["meta_info"]["output_token_logprobs"]] == tuned_lps
+                bad = {**{k: tensor_checksum(v) for k, v in tensors.items()}, next(iter(tensors)): "0" * 64}
+                with pytest.raises(EngineError, match="expected_checksums: 1 adapter tensor"):
+                    await c.request("POST", "/load_lora_adapter_from_tensors", {
+                        "lora_name": "corrupt", "config_dict": adapter_config(peft_model),
+                        "serialized_named_tensors": [serialize(tensors)], "expected_checksums": bad})
                 ckpt = str(tmp_path / "adapters" / "v3")
                 with pytest.raises(EngineError, match="already loaded"):
                     await c.request("POST", "/load_lora_adapter", {"lora_name": POLICY_ADAPTER, "lora_path": ckpt})

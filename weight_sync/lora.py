@@ -12,7 +12,8 @@ A push of version v (:meth:`weight_sync.sender.WeightSender.push_adapter`):
 4. ``/update_weight_version`` to v (adapter loads carry no version), so every sample generated
    afterwards reports v;
 5. with ``--check-weight-update-equal``: the adapter each engine holds, read back
-   (``/lora_adapter_checksum``, the embedded engine's), compared with the trainer's byte for byte;
+   (``/lora_adapter_checksum``, the embedded engine's), compared with the trainer's byte for byte
+   (a load from tensors also carries SGLang's ``expected_checksums``, which the engine checks as it loads);
 6. ``/continue_generation``. Older versions' directories beyond ``--update-weight-disk-keep`` go.
 
 With the ``tensor`` transport (colocated, ``--colocate``) step 1 writes no file: step 3 loads with
@@ -61,10 +62,12 @@ class AdapterPush:
         if by_tensors:
             from sglang_protocol.tensor_update import serialize
 
-            copies = [(n, t.detach().clone()) for n, t in tensors.items()]  # alive until every engine copied them
-            nbytes = sum(t.numel() * t.element_size() for _, t in copies)
-            blob = await loop.run_in_executor(None, serialize, copies)
+            copies = {n: t.detach().clone() for n, t in tensors.items()}  # alive until every engine copied them
+            nbytes = sum(t.numel() * t.element_size() for t in copies.values())
+            blob = await loop.run_in_executor(None, serialize, copies)  # SGLang reads a {name: tensor} dict
             route, body = "/load_lora_adapter_from_tensors", {"lora_name": POLICY_ADAPTER, "config_dict": config}
+            if s.check_equal:  # SGLang (and the embedded engine) verify every tensor as they load it
+                body["expected_checksums"] = await loop.run_in_executor(None, _checksums, tensors)
         else:
             path = os.path.abspath(os.path.join(self.dir, f"v{version}"))
             nbytes = await loop.run_in_executor(None, write_adapter, path, config, tensors)
@@ -86,7 +89,9 @@ class AdapterPush:
             "new_version": str(version), "abort_all_requests": False}, timeout=s.timeout_s, admin=True),
             "update_weight_version")
         loaded = time.perf_counter()
-        check_s = await self._check(members, tensors) if s.check_equal else 0.0
+        # read back where the engine can (the embedded engine); SGLang verified a tensor load itself
+        readable = [e for e in members if e.check != "readback"] if by_tensors else members
+        check_s = await self._check(readable, tensors) if s.check_equal and readable else 0.0
         await call_all(members, lambda c: c.continue_generation(), "continue_generation")
         t1 = time.perf_counter()
         for e in members:
@@ -105,8 +110,7 @@ class AdapterPush:
         """Each engine's adapter, read back as checksums, against the trainer's (RuntimeError naming
         the tensor and the engine)."""
         t = time.perf_counter()
-        mine = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: {n: tensor_checksum(x.detach().cpu().contiguous()) for n, x in tensors.items()})
+        mine = await asyncio.get_running_loop().run_in_executor(None, _checksums, tensors)
         try:
             theirs = await call_all(members, lambda c: c.request("GET", f"/lora_adapter_checksum?lora_name="
                                                                   f"{POLICY_ADAPTER}", timeout=self.settings.timeout_s),
@@ -125,6 +129,12 @@ class AdapterPush:
     def close(self) -> None:
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: sha256 of its raw bytes}``: what SGLang's ``expected_checksums`` and the embedded
+    engine's ``/lora_adapter_checksum`` hold."""
+    return {n: tensor_checksum(x.detach().cpu().contiguous()) for n, x in tensors.items()}
 
 
 async def _unload(client) -> dict:
