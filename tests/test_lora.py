@@ -131,10 +131,12 @@ def test_a_target_module_the_model_lacks_is_refused_naming_the_flag(toy_model_di
     (("--train-backend", "megatron"), ("--lora-rank 16", "--train-backend megatron")),
     (("--check-weight-update-equal", "--rollout-engine", "sglang", "--rollout-num-gpus", "1"),
      ("--check-weight-update-equal with --lora-rank", "--rollout-engine sglang")),
-    (("--lora-dropout", "1.5"), ("--lora-dropout=1.5 must be in [0, 1)",))])
+    (("--lora-dropout", "1.5"), ("--lora-dropout=1.5 must be in [0, 1)",)),
+    (("--actor-num-gpus-per-node", "2"), ("--lora-rank 16 with 2 trainer ranks", "LoRA trains on one rank"))])
 def test_launcher_refuses_lora_it_cannot_run_at_start_up(toy_model_dir, tmp_path, extra, words):
     """The launcher stops before starting anything, with one line naming the flags: Megatron has no
-    LoRA; real SGLang cannot read an adapter back for --check-weight-update-equal; a bad value."""
+    LoRA; real SGLang cannot read an adapter back for --check-weight-update-equal; a bad value;
+    several trainer ranks (the adapter is not gathered from FSDP2 shards)."""
     proc = subprocess.run(lora_cmd(toy_model_dir, tmp_path / "refused", *extra), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from flags import flag, flag_of
 from metric_keys import WEIGHT_GATHER_TIME, WEIGHT_PUSH_RANK_TIME
 from train_backend.interfaces import TrainSettings, create_backend
+from train_backend.lora import LoraSettings
 from train_backend.megatron.arguments import MegatronSettings
 
 if TYPE_CHECKING:
@@ -116,6 +117,9 @@ class TrainerGroupSettings:
         estimator = flag_of(TrainSettings, "advantage_estimator")
         if train.advantage_estimator == "ppo" and world > 1:
             raise ValueError(f"{estimator} ppo with {ranks}: the critic trains on one rank ({nodes} 1 {per_node} 1)")
+        if train.lora is not None and train.lora.enabled and world > 1:
+            raise ValueError(f"{flag_of(LoraSettings, 'rank')} {train.lora.rank} with {ranks}: LoRA trains on one "
+                             f"rank ({nodes} 1 {per_node} 1; the adapter is not gathered from FSDP2 shards)")
         if train.advantage_estimator == "ppo" and self.offload_train:
             raise ValueError(f"{estimator} ppo with {offload}: the critic's optimizer state is not offloaded")
         if self.offload_train and not train.device.startswith("cuda"):
