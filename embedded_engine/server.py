@@ -440,7 +440,9 @@ class Engine:
         config = b["config_dict"]
         if not isinstance(config, dict):
             raise ProtocolError("config_dict", "expected the adapter_config.json object")
-        tensors = decode_tensors(b["serialized_named_tensors"], b.get("load_format"), b.get("expected_checksums"))
+        # 0.5.23: serialized_named_tensors, one payload per TP rank; 0.5.15.post1: serialized_tensors, one payload
+        payloads = b["serialized_named_tensors"] if "serialized_tensors" not in b else [b["serialized_tensors"]]
+        tensors = decode_tensors(payloads, b.get("load_format"), b.get("expected_checksums"))
         await self.lora.load(str(b["lora_name"]), config, tensors)
 
     async def unload_lora_adapter(self, b: dict) -> None:
