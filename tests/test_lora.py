@@ -319,3 +319,87 @@ def test_slime_generate_payloads_to_our_engines_name_the_adapter(monkeypatch):
     assert http_utils._with_adapter("http://r:1/abort_request", body, True) is body
     ctx.settings.sampling.lora_path = None
     assert http_utils._with_adapter("http://r:1/generate", body, True) is body
+
+
+# --- the GPU tier: real SGLang (marker sglang; tests/test_sglang_gpu.py's fixtures) -----------------------------------
+
+def _merged_reference(model_dir: Path, config: dict, tensors: dict) -> "torch.nn.Module":
+    """The toy model with the adapter merged into its weights, by hand (``scaling * B @ A``; no peft)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_protocol.lora_adapter import merged_deltas
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, delta in merged_deltas(config, tensors).items():
+            params[name].add_(delta)
+    return model
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_sglang_serves_the_adapter_a_push_loads_from_disk(toy_model_dir, tmp_path):
+    """Real SGLang with --enable-lora: WeightSender.push_adapter (peft files, /unload_lora_adapter
+    tolerated on the first push, /load_lora_adapter, /update_weight_version) twice; a request naming
+    the adapter samples from base + adapter (log-probs near the merged model's, bf16), one without
+    from the base, and each reports the pushed version. Written 2026-12-05 and not run yet (no device
+    time was left in that session): the GPU tier's first run of it checks the disk route against SGLang."""
+    import torch
+
+    from _fixtures_sglang import sglang_available, sglang_version, start_sglang, stop_sglang
+    from sglang_protocol.lora_adapter import POLICY_ADAPTER, peft_config
+    from sglang_protocol.net import free_port
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    if not sglang_available():
+        pytest.skip("needs a CUDA GPU and SGLang (the GPU machine)")
+    print("sglang", sglang_version())
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, p in base.named_parameters():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in ("q_proj", "v_proj"):
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(8, p.shape[1], generator=g) * 0.3
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(p.shape[0], 8, generator=g) * 0.3
+    config = peft_config(8, 16.0, ["q_proj", "v_proj"], str(toy_model_dir))
+    tuned_ref = _merged_reference(toy_model_dir, config, tensors)
+    port = free_port()
+    proc = start_sglang(toy_model_dir, port, "--dtype", "bfloat16", "--mem-fraction-static", "0.2",
+                        "--disable-cuda-graph", "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                        "q_proj", "v_proj", log=tmp_path / "sglang.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        s = WeightSyncSettings(transport="disk", disk_dir=str(tmp_path / "adapters"), hf_checkpoint=str(toy_model_dir))
+        with WeightSender(s) as sender:
+            sender.connect([url])
+            sender.push_adapter(config, tensors, 1)
+            m = sender.push_adapter(config, tensors, 2)  # a second push: unload, then load again
+        assert m["weight_sync/adapter"] == 1.0
+
+        from _fixtures_engine import run
+        from sglang_protocol.client import EngineClient
+
+        async def generate(lora_path):
+            async with EngineClient(url) as c:
+                return await c.generate(input_ids=[1, 5, 6, 7, 8], lora_path=lora_path,
+                                        sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+        for lora_path, ref in ((POLICY_ADAPTER, tuned_ref), (None, base)):
+            out = run(generate(lora_path))
+            assert out["meta_info"]["weight_version"] == "2"
+            got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+            want = _logprobs(ref, [1, 5, 6, 7, 8], out["output_ids"])
+            other = _logprobs(base if ref is tuned_ref else tuned_ref, [1, 5, 6, 7, 8], out["output_ids"])
+            err = max(abs(a - b) for a, b in zip(got, want))
+            print(lora_path, "max |sglang - reference|", err, "vs the other model", max(abs(a - b) for a, b in zip(got, other)))
+            assert err < 0.1, (lora_path, got, want)
+        assert max(abs(a - b) for a, b in zip(_logprobs(base, [1, 5, 6, 7, 8], out["output_ids"]),
+                                              _logprobs(tuned_ref, [1, 5, 6, 7, 8], out["output_ids"]))) > 0.3
+    finally:
+        stop_sglang(proc)
+        print((tmp_path / "sglang.log").read_text()[-3000:])
