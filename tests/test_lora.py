@@ -403,3 +403,44 @@ def test_sglang_serves_the_adapter_a_push_loads_from_disk(toy_model_dir, tmp_pat
     finally:
         stop_sglang(proc)
         print((tmp_path / "sglang.log").read_text()[-3000:])
+
+
+def test_an_adapter_push_goes_on_without_a_dead_engine_and_a_restarted_one_gets_it(engine_model, tmp_path):  # noqa: F811
+    """Two engines, one killed: the push's first attempt fails on it, the second loads the adapter on
+    the other; the engine started again on the same port gets the adapter at the next push."""
+    from _fixtures_engine import run, start_engine, stop_process
+    from sglang_protocol.client import EngineClient
+    from sglang_protocol.lora_adapter import POLICY_ADAPTER
+    from train_backend.lora import adapter_config, adapter_tensors
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    peft_model = _trained_adapter(engine_model)
+    config, tensors = adapter_config(peft_model), adapter_tensors(peft_model)
+    kw = dict(enable_lora=True, weight_update_dirs=str(tmp_path))
+    (a, url_a), (b, url_b) = start_engine(engine_model, **kw), start_engine(engine_model, **kw)
+    try:
+        with WeightSender(WeightSyncSettings(check_equal=True, disk_dir=str(tmp_path / "adapters"), timeout_s=10,
+                                             retries=1)) as sender:
+            sender.connect([url_a, url_b])
+            sender.push_adapter(config, tensors, 1)
+            stop_process(b)
+            m = sender.push_adapter(config, tensors, 2)
+            assert m["weight_sync/attempts"] == 2 and m["weight_sync/engines"] == 1
+            assert not sender.engine_status()[url_b]["alive"]
+            from embedded_engine import EngineSettings, launch_engine_process
+
+            b, _ = launch_engine_process(EngineSettings(model_path=str(engine_model), port=int(url_b.rsplit(":", 1)[1]),
+                                                        num_threads=1, **kw), timeout_s=180)
+            m = sender.push_adapter(config, tensors, 3)
+            assert m["weight_sync/engines"] == 2 and m["weight_sync/attempts"] == 1
+
+        async def version_of(url: str) -> str:
+            async with EngineClient(url) as c:
+                out = await c.generate(input_ids=[1, 5, 6], lora_path=POLICY_ADAPTER,
+                                       sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+                return out["meta_info"]["weight_version"]
+        assert run(version_of(url_a)) == run(version_of(url_b)) == "3"
+    finally:
+        stop_process(a)
+        stop_process(b)

@@ -19,13 +19,16 @@ A push of version v (:meth:`weight_sync.sender.WeightSender.push_adapter`):
 With the ``tensor`` transport (colocated, ``--colocate``) step 1 writes no file: step 3 loads with
 SGLang's ``/load_lora_adapter_from_tensors`` ``{lora_name, config_dict, serialized_named_tensors}``,
 handles to a copy of the adapter (CUDA IPC on GPUs, shared memory on the CPU), one per TP rank.
-The disk route is the one that also works across hosts. A failed push raises (the engines that
-failed are named), leaving the engines paused.
+The disk route is the one that also works across hosts. A failed attempt is redone without the
+engines that stopped answering (``--update-weight-retries``); a dead engine that answers again gets
+the adapter at the next push (a restarted one has none: the fleet keeps it out of the router until a
+push brings it to the fleet's version). After the last failed attempt the live engines stay paused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
@@ -40,6 +43,8 @@ from weight_sync.engines import EngineState, call_all
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.link import PushFailed
 
+logger = logging.getLogger(__name__)
+
 
 class AdapterPush:
     """Pushes the trainer's LoRA adapter to engines (the steps of the module docstring)."""
@@ -52,10 +57,45 @@ class AdapterPush:
 
     async def push(self, engines: list[EngineState], config: dict, tensors: dict[str, torch.Tensor],
                    version: int) -> dict[str, float]:
+        """The module docstring's steps on every live engine (and every dead one that answers
+        ``/health`` again: a restarted engine gets the adapter before the fleet lets it serve). A
+        failed attempt marks the engines that stopped answering dead and is redone on the others,
+        ``--update-weight-retries`` times."""
+        last: PushFailed | None = None
+        for attempt in range(self.settings.retries + 1):
+            await self._revive(engines)
+            members = [e for e in engines if e.alive]
+            if not members:
+                raise RuntimeError(f"push_adapter v{version}: no live engine") from last
+            try:
+                metrics = await self._push(members, config, tensors, version)
+            except PushFailed as err:
+                last = err
+                logger.warning("push_adapter v%d attempt %d failed: %s", version, attempt + 1, err)
+                healthy = await asyncio.gather(*(e.client.health(timeout=min(5.0, self.settings.timeout_s))
+                                                 for e in members))
+                for e, ok in zip(members, healthy):
+                    if e.url in err.failed:
+                        e.errors.append(err.failed[e.url])
+                    if not ok:
+                        e.alive, e.version = False, None
+                continue
+            metrics["weight_sync/attempts"] = float(attempt + 1)
+            return metrics
+        raise RuntimeError(f"push_adapter v{version}: failed after {self.settings.retries + 1} attempts; live "
+                           "engines are left paused") from last
+
+    async def _revive(self, engines: list[EngineState]) -> None:
+        dead = [e for e in engines if not e.alive]
+        healthy = await asyncio.gather(*(e.client.health(timeout=min(2.0, self.settings.timeout_s)) for e in dead))
+        for e, ok in zip(dead, healthy):
+            if ok:
+                logger.info("engine %s answers again; it gets the adapter with this push", e.url)
+                e.alive = True
+
+    async def _push(self, members: list[EngineState], config: dict, tensors: dict[str, torch.Tensor],
+                    version: int) -> dict[str, float]:
         s = self.settings
-        members = [e for e in engines if e.alive]
-        if not members:
-            raise RuntimeError(f"push_adapter v{version}: no live engine")
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         by_tensors = s.resolved_transport() == "tensor"  # colocated: handles to copies, no file
@@ -104,7 +144,7 @@ class AdapterPush:
                 "weight_sync/write_s": written - t0, "weight_sync/check_s": check_s,
                 "weight_sync/total_s": t1 - t0, "weight_sync/bytes": float(nbytes),
                 "weight_sync/num_tensors": float(len(tensors)), "weight_sync/engines": float(len(members)),
-                "weight_sync/attempts": 1.0, "weight_sync/version": float(version), "weight_sync/adapter": 1.0}
+                "weight_sync/version": float(version), "weight_sync/adapter": 1.0}
 
     async def _check(self, members: list[EngineState], tensors: dict[str, torch.Tensor]) -> float:
         """Each engine's adapter, read back as checksums, against the trainer's (RuntimeError naming
