@@ -17,7 +17,9 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
-def main() -> Path:
+def render() -> str:
+    """RESULTS.md's text: the table of every result JSON, then NOTES.md (notes are written there,
+    never into RESULTS.md, which this rewrites)."""
     rows = []
     for f in sorted((HERE / "results").glob("*.json")):
         r = json.loads(f.read_text())
@@ -36,8 +38,12 @@ def main() -> Path:
     notes = HERE / "NOTES.md"
     if notes.exists():
         text += [notes.read_text()]
+    return "\n".join(text)
+
+
+def main() -> Path:
     out = HERE / "RESULTS.md"
-    out.write_text("\n".join(text))
+    out.write_text(render())
     return out
 
 
