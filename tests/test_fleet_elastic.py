@@ -71,3 +71,74 @@ def test_an_added_engine_serves_only_after_a_push_and_a_removed_one_leaves_the_r
             await fleet.stop()
             router.stop()
     asyncio.run(go())
+
+
+class _StubFleet:
+    """What the autoscaler uses of an ``EngineFleet``: its engines (with their Ray node), ``add`` on a
+    node and ``remove``; each call recorded."""
+
+    def __init__(self, settings, node_ids: list[str]):
+        from rollout_manager.engines import ManagedEngine
+
+        self.settings, self.events, self.calls = settings, [], []
+        self._engine = ManagedEngine
+        self.engines = [ManagedEngine(i, f"http://e{i}", None, node_id=n) for i, n in enumerate(node_ids)]
+
+    async def add(self, count: int, node_ip: str | None = None, place_timeout: float | None = None) -> list[str]:
+        self.calls.append(("add", count, node_ip))
+        node_id = f"id-{node_ip}"
+        new = [self._engine(len(self.engines) + k, f"http://e{len(self.engines) + k}", None, node_id=node_id)
+               for k in range(count)]
+        self.engines = [*self.engines, *new]
+        return [e.url for e in new]
+
+    async def remove(self, url: str) -> None:
+        self.calls.append(("remove", url))
+        self.engines = [e for e in self.engines if e.url != url]
+
+
+def _node(ip: str, alive: bool = True, **resources: float) -> dict:
+    return {"NodeID": f"id-{ip}", "NodeManagerAddress": ip, "Alive": alive,
+            "Resources": {"CPU": 1.0, f"node:{ip}": 1.0, **resources}}
+
+
+def test_the_autoscaler_adds_engines_on_a_joined_node_up_to_the_bound_and_removes_those_of_a_node_that_left():
+    """``FleetAutoscaler.poll`` against a node list it is handed (``ray.nodes()``'s form): the nodes of
+    the first read are the fleet's own; a node that joins gets the engines its resources hold (one
+    per ``rollout=1``), within ``--rollout-fleet-max-engines``; a node without the resource gets
+    none; a node that dies (not alive, or gone) takes its engines out of the fleet, but not the
+    fleet's last one. The cluster case: tests/test_multinode.py (a real node joins and is killed)."""
+    from rollout_manager.autoscale import FleetAutoscaler
+
+    _, settings = make_args(["--hf-checkpoint", "x", "--rollout-engine-placement", "ray", "--rollout-fleet-autoscale",
+                             "--rollout-fleet-max-engines", "4", "--rollout-engine-ray-resources", "rollout=1"])
+    cluster = [_node("127.0.0.1"), _node("127.0.0.3", CPU=0, rollout=1)]
+    fleet = _StubFleet(settings, ["id-127.0.0.3"])
+    scaler = FleetAutoscaler(fleet, nodes=lambda: list(cluster))
+
+    async def go() -> None:
+        await scaler.poll()
+        assert fleet.calls == []  # the nodes at start are the fleet's own
+        cluster.extend([_node("127.0.0.4", CPU=0, rollout=2), _node("127.0.0.5")])  # .5: no 'rollout' resource
+        await scaler.poll()
+        assert fleet.calls == [("add", 2, "127.0.0.4")] and len(fleet.engines) == 3
+        await scaler.poll()
+        assert len(fleet.calls) == 1  # a node is grown on once
+        cluster.append(_node("127.0.0.6", CPU=0, rollout=4))
+        await scaler.poll()
+        assert fleet.calls[-1] == ("add", 1, "127.0.0.6") and len(fleet.engines) == 4  # the bound
+        cluster[2] = _node("127.0.0.4", alive=False, CPU=0, rollout=2)  # it died: its two engines go
+        del cluster[-1]  # and .6 is gone from the list
+        await scaler.poll()
+        assert [c for c in fleet.calls if c[0] == "remove"] == [("remove", "http://e1"), ("remove", "http://e2"),
+                                                               ("remove", "http://e3")]
+        assert [e.node_id for e in fleet.engines] == ["id-127.0.0.3"]
+        del cluster[1]  # the last engine's node: it stays, the run waits for it
+        await scaler.poll()
+        assert len(fleet.engines) == 1 and len(fleet.calls) == 5
+    asyncio.run(go())
+
+
+def test_autoscale_needs_ray_placement():
+    with pytest.raises(ValueError, match="--rollout-fleet-autoscale .*--rollout-engine-placement ray"):
+        make_args(["--hf-checkpoint", "x", "--rollout-fleet-autoscale"])
