@@ -359,9 +359,9 @@ class EngineFleet:
         log.warning("removed engine %d at %s; the fleet has %d", eng.index, eng.url, len(self.engines))
 
     async def finished_requests(self) -> dict[int, int]:
-        """Per engine index, the requests it has finished since it started (the embedded engine's
-        ``/server_info`` ``internal_states[0].finished_reqs``); engines that do not say (SGLang, the
-        instant engine) or do not answer are left out. The rollout's per-engine throughput."""
+        """Per engine index, the requests it has finished since it started (the embedded and instant
+        engines' ``/server_info`` ``internal_states[0].finished_reqs``); engines that do not say
+        (SGLang) or do not answer are left out. The rollout's per-engine throughput."""
         async def one(eng: ManagedEngine) -> int | None:
             try:
                 async with self._client(eng.url, timeout=self.settings.engines.health_check_timeout) as c:
