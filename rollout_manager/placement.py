@@ -15,9 +15,10 @@ import subprocess
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_cluster.placement import reserve_placement_group
 from rollout_manager.procenv import child_environ
 from sglang_protocol.net import pick_port
 
@@ -135,13 +136,7 @@ def place_engine_hosts(num_engines: int, gpus_per_engine: int, timeout: float,
     bundle = engine_bundle(gpus_per_engine, resources)
     if node_ip is not None:
         bundle[f"node:{node_ip}"] = 0.001
-    pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise RuntimeError(f"could not place {num_engines} engine(s) of {bundle} within {timeout:.0f}s; "
-                           f"cluster resources: {ray.cluster_resources()}") from None
+    pg = reserve_placement_group([bundle] * num_engines, "PACK", timeout, f"{num_engines} engine(s) of {bundle}")
     actor = ray.remote(EngineHost)
     hosts = [actor.options(num_cpus=0, num_gpus=gpus_per_engine or 0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
