@@ -290,8 +290,15 @@ class EngineFleet:
             place = functools.partial(place_engine_hosts, gpus_per_engine=gpus, timeout=place_timeout or e.engine_startup_timeout,
                                       resources=e.ray_resources(), node_ip=node_ip)
             if added:
-                for i in range(added):
-                    groups[i], [hosts[i]] = place(1)
+                try:
+                    for i in range(added):
+                        groups[i], [hosts[i]] = place(1)
+                except BaseException:  # those placed before the one that failed are not the fleet's yet
+                    from rollout_manager.placement import release
+                    for g, h in zip(groups, hosts):
+                        if g is not None:
+                            release(g, [h])
+                    raise
             else:
                 self._pg, hosts = place(len(hosts))
         taken: dict[str, set[int]] = {}  # ports handed out so far, per node
