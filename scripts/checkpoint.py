@@ -18,11 +18,11 @@ import json
 import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from scripts.arguments import checkpoint_dir
 
@@ -132,15 +132,19 @@ def resume_hint(save_dir: str | None) -> str:
 
 def _rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": repr(random.getstate()), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
-            "torch": torch.get_rng_state().tolist()}
+    state = {"python": repr(random.getstate()), "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+    if "torch" in sys.modules:  # the launcher imports no torch (components.Run._seed); if something did, its RNG too
+        state["torch"] = sys.modules["torch"].get_rng_state().tolist()
+    return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(state["python"]))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "torch" in state and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
 def _write_json(path: Path, obj: Any) -> None:

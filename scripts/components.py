@@ -14,13 +14,13 @@ import dataclasses
 import functools
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
-import torch
 
 from scripts import checkpoint
 from scripts.arguments import RunSettings, check_inputs
@@ -110,7 +110,8 @@ class Run:
     def _seed(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed)
-        torch.manual_seed(seed)
+        if "torch" in sys.modules:  # the launcher draws no torch random numbers, and importing torch
+            sys.modules["torch"].manual_seed(seed)  # for the seed alone was most of its start-up CPU
 
     def _start_ray(self) -> None:
         """Every mode needs Ray: the trainer ranks are actors too (--debug-train-only included)."""
