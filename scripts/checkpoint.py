@@ -39,11 +39,12 @@ def _rollout_of(put_id: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def commit_without_checkpoint(buffer: Any, step: int) -> None:
+def commit_without_checkpoint(buffer: Any, step: int) -> dict[str, Any]:
     """A run without ``--save`` can never go back to an earlier step, so its consumption is final
     as each step ends (else every batch would stay leased in the buffer, and with --buffer-dir in
-    its segments, for the whole run)."""
-    call_buffer(buffer, "commit", step, cover_known=True)  # one buffer call, not known_put_ids + commit
+    its segments, for the whole run). Returns the buffer's metrics after the commit (the step's
+    log wants them: one buffer call, not commit + metrics, nor known_put_ids + commit)."""
+    return call_buffer(buffer, "commit", step, cover_known=True, return_metrics=True)
 
 
 def save(save_dir: str, step: int, *, trainer: Any, buffer: Any, rollout: Any, producer: Any,

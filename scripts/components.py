@@ -50,6 +50,7 @@ class Run:
         self.weight_sync_connected = False
         self.engine_memory = None  # --colocate: hands the engines' GPU memory to the trainer and back
         self._pending: dict[str, float] = {}
+        self._commit_at: int | None = None  # no --save: the step whose consumption log_step makes final
         self._producer: AsyncProducer | None = None
         self.first_rollout = 0  # the next rollout to generate (after a resume: the first the checkpoint lacks)
         self._owns_ray = False
@@ -305,10 +306,9 @@ class Run:
     @crash_point_after("after_save")
     def maybe_save(self, step: int) -> None:
         """Checkpoint at each --save-interval step and the last (``checkpoint.save``); the buffer's
-        consumption up to ``step`` becomes final with it (without --save: at once)."""
-        if not self.s.save:
-            if self.buffer is not None:
-                checkpoint.commit_without_checkpoint(self.buffer, step)
+        consumption up to ``step`` becomes final with it (without --save: in ``log_step``'s buffer call)."""
+        if not self.s.save:  # the commit rides in log_step's buffer call (it returns the metrics)
+            self._commit_at = step
             return
         if not self.s.save_interval or (step + 1) % self.s.save_interval and step + 1 != self.s.num_rollout:
             return
@@ -347,7 +347,9 @@ class Run:
             self._pending.update(_mean_metrics(self._producer.drain_metrics()))
         self._pending.update(step_breakdown(self._pending))  # each Ray call's time outside its part
         if self.buffer is not None:
-            m = call_buffer(self.buffer, "metrics")
+            commit_at, self._commit_at = self._commit_at, None
+            m = (call_buffer(self.buffer, "metrics") if commit_at is None
+                 else checkpoint.commit_without_checkpoint(self.buffer, commit_at))
             self._pending.update({f"buffer/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
         self.logger.log(step, self._pending)
         self.steps_done += 1
