@@ -51,6 +51,7 @@ class Run:
         self.engine_memory = None  # --colocate: hands the engines' GPU memory to the trainer and back
         self._pending: dict[str, float] = {}
         self._commit_at: int | None = None  # no --save: the step whose consumption log_step makes final
+        self._fleet_urls = None  # the rollout manager's engine_urls, asked for by train (an ObjectRef)
         self._producer: AsyncProducer | None = None
         self.first_rollout = 0  # the next rollout to generate (after a resume: the first the checkpoint lacks)
         self._owns_ray = False
@@ -266,6 +267,11 @@ class Run:
         if self.engine_memory is not None:  # --colocate: the engines' KV cache goes to the trainer
             with self._timer("perf/release_memory_time"):
                 self.engine_memory.release()
+        if self.weight_sync_connected and self.engine_memory is None:
+            # the fleet's URLs for the push that follows, asked for now: the answer travels while the
+            # ranks train instead of costing the push a round trip of its own. An engine added
+            # meanwhile gets the next push (the fleet admits engines only at its weight version)
+            self._fleet_urls = self.rollout.engine_urls.remote()
         with self._timer(TRAIN_TIME.key):
             self._pending.update(self.trainer.train_step(groups, step))
 
@@ -295,7 +301,8 @@ class Run:
 
         if self.engine_memory is not None:  # --colocate: a fixed fleet, one engine per trainer GPU
             return
-        urls = ray.get(self.rollout.engine_urls.remote())
+        asked, self._fleet_urls = self._fleet_urls, None
+        urls = ray.get(asked if asked is not None else self.rollout.engine_urls.remote())
         if urls == self.engine_urls:
             return
         gpus = asyncio.run(engine_gpus(self.settings.rollout, urls))
