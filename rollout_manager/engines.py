@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 from buffer.sample import parse_weight_version
-from sglang_protocol import held_weights
 from sglang_protocol.client import EngineClient, EngineError, normalize_url
 from sglang_protocol.net import pick_port
 from rollout_manager.procenv import child_environ
@@ -136,7 +135,7 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                             weight_update_dirs=",".join(e.weight_update_dirs),
                             weight_update_masters=",".join(e.weight_update_masters),
                             api_key=e.api_key, admin_api_key=e.admin_api_key,
-                            custom_weight_loader=held_weights.LOADER)
+                            custom_weight_loader=_held_loader())
         env.update(es.key_env())
         cmd = [sys.executable, "-m", "embedded_engine", *es.to_cli(), *shlex.split(e.engine_extra_args)]
     return cmd, env
@@ -146,13 +145,22 @@ def _with_held_loader(sglang_args: list[str]) -> list[str]:
     """SGLang's flags with ``--custom-weight-loader`` allowing the held-weights loader (colocated
     pushes with ``--update-weight-load-format mapped``), added to the user's list if they gave one
     (SGLang's flag takes several paths; a second occurrence would replace the first)."""
-    args = list(sglang_args)
+    args, loader = list(sglang_args), _held_loader()
     for i, a in enumerate(args):
         if a == "--custom-weight-loader":
-            return args[:i + 1] + [held_weights.LOADER] + args[i + 1:]
+            return args[:i + 1] + [loader] + args[i + 1:]
         if a.startswith("--custom-weight-loader="):
-            return args[:i] + ["--custom-weight-loader", held_weights.LOADER, a.partition("=")[2]] + args[i + 1:]
-    return ["--custom-weight-loader", held_weights.LOADER, *args]
+            return args[:i] + ["--custom-weight-loader", loader, a.partition("=")[2]] + args[i + 1:]
+    return ["--custom-weight-loader", loader, *args]
+
+
+def _held_loader() -> str:
+    """The held-weights loader's import path. Imported here, not at the top: ``held_weights`` imports
+    torch, which the launcher (it imports this module through the rollout manager's actor class)
+    needs for nothing else."""
+    from sglang_protocol.held_weights import LOADER
+
+    return LOADER
 
 
 def _take_port(host: Any, ip: str, taken: set[int], start: int = 0, count: int = 1) -> int:

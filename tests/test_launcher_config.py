@@ -145,3 +145,22 @@ def test_sglang_passthrough_keys_become_server_flags(tmp_path, toy_model_dir):
     cfg.write_text("sglang-server-concurency: 64\n")
     with pytest.raises(ValueError, match=r"line 1: unknown flag '--sglang-server-concurency' \(did you mean --sglang-server-concurrency"):
         load_config_defaults(p, str(cfg))
+
+def test_the_launcher_process_imports_neither_torch_nor_transformers(tmp_path):
+    """What the launcher imports to start a run and log its steps (the actors' classes, the metrics
+    log with TensorBoard, a checkpoint) leaves torch and transformers to the processes that compute:
+    importing torch was most of the launcher's start-up CPU, serially before Ray starts."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from scripts.components import Run\n"
+            "from scripts import checkpoint\n"
+            "import buffer, rollout_manager.actor, rollout_manager.engines, train_backend.actor_group\n"
+            "from scripts.metrics_log import MetricsLogger\n"
+            f"log = MetricsLogger({str(tmp_path)!r}, use_tensorboard=True)\n"
+            "log.log(0, {'a': 1.0}); log.truncate_after(0); log.close()\n"
+            "checkpoint._set_rng_state(checkpoint._rng_state())\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
