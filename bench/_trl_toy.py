@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--decay-steps", type=int, default=200, help="the WSD schedule's linear decay at the end")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: TRL trains and generates (HF generate) on the GPU, fp32 as Reservoir's trainer")
     args = ap.parse_args(argv)
 
     import torch
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         was_training = m.training
         m.eval()
         tok.padding_side = "left"
-        enc = tok(eval_texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok(eval_texts, return_tensors="pt", padding=True, add_special_tokens=False).to(m.device)
         out = m.generate(**enc, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id)  # [64, T + <=6]
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f.write(json.dumps({"step": state.global_step, "time": time.time(), **(logs or {})}) + "\n")
 
     cfg = GRPOConfig(
-        output_dir=str(args.out_dir / "trl_out"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=str(args.out_dir / "trl_out"), use_cpu=args.device == "cpu", bf16=False, fp16=False,
         # the toy config's WSD: 3e-4 to step max_steps - decay_steps, then linear to 0 at max_steps
         learning_rate=3e-4, lr_scheduler_type="warmup_stable_decay", warmup_steps=0,
         lr_scheduler_kwargs={"num_decay_steps": args.decay_steps, "decay_type": "linear", "min_lr_ratio": 0.0},

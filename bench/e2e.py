@@ -14,6 +14,13 @@ reached"). Per mode (``metrics[mode]``): its runs under ``seeds`` and their medi
 bench/results/e2e.json and bench/results/e2e.png (eval accuracy against wall time, every mode and
 seed); ``ratio`` = TRL's median time-to-target / the best Reservoir mode's median (from process
 start).
+
+On a GPU machine, ``--gpu`` runs the same race on one GPU (``bench/results/e2e_gpu.json``): TRL's
+GRPOTrainer on CUDA (HF generate) against Reservoir colocated (examples/gpu/grpo_colocate_1gpu.yaml)
+with real SGLang (``--engine sglang``, the flags the SGLang bundle needs) or the embedded engine;
+only ``trl`` and ``sync`` apply (colocated rollout and training take turns on the one GPU).
+
+    python bench/e2e.py --gpu --engine sglang --modes trl,sync --seeds 1,2
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "bench" / "results" / "e2e.json"
+RESULT_GPU = ROOT / "bench" / "results" / "e2e_gpu.json"
+# what the SGLang 0.5.15.post1 bundle of ../shared/device needs (no FA3, no grammar backend), and a
+# static memory fraction that leaves the colocated trainer room
+SGLANG_FLAGS = ["--rollout-engine", "sglang", "--sglang-attention-backend", "triton", "--sglang-sampling-backend",
+                "pytorch", "--sglang-grammar-backend", "none", "--sglang-mem-fraction-static", "0.3"]
 SAMPLES_PER_STEP = 16 * 8  # rollout-batch-size x n-samples-per-prompt (examples/toy/grpo_cpu.yaml)
 SPLIT_KEYS = {"rollout": "perf/rollout_time", "buffer": "perf/buffer_wait_time", "train": "perf/train_time",
               "weight_sync": "perf/weight_sync_time"}
@@ -90,10 +102,13 @@ def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
 
 
 def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: int, target: float,
-                  seed: int) -> dict:
-    """One Reservoir run through scripts/train.py; stops at the first eval >= target or at cap_s."""
+                  seed: int, engine: str | None = None) -> dict:
+    """One Reservoir run through scripts/train.py; stops at the first eval >= target or at cap_s.
+    ``engine``: None on the CPU (examples/toy/grpo_cpu.yaml); ``embedded`` or ``sglang`` on one GPU,
+    colocated (examples/gpu/grpo_colocate_1gpu.yaml: the same task, batch and lr)."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "examples/toy/grpo_cpu.yaml"),
+    config = "examples/toy/grpo_cpu.yaml" if engine is None else "examples/gpu/grpo_colocate_1gpu.yaml"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / config),
            "--output-dir", str(out / "run"), "--hf-checkpoint", str(model),
            "--prompt-data", str(model / "data/train.jsonl"), "--eval-prompt-data", str(model / "data/eval.jsonl"),
            "--num-rollout", str(max_steps), "--lr-decay-iters", str(max_steps),
@@ -105,6 +120,8 @@ def run_reservoir(mode: str, model: Path, out: Path, cap_s: float, max_steps: in
         cmd += ["--use-tis"]
     if mode == "async_no_tis":  # async without the off-policy correction (its default turned off)
         cmd += ["--no-use-tis"]
+    if engine == "sglang":
+        cmd += SGLANG_FLAGS
     metrics = out / "run" / "metrics.jsonl"
     t_launch = time.time()
     with open(out / "stdout.log", "w") as log:
@@ -171,12 +188,14 @@ def summarize_reservoir(out: Path, target: float) -> dict:
     }
 
 
-def run_trl(model: Path, out: Path, cap_s: float, max_steps: int, target: float, seed: int) -> dict:
+def run_trl(model: Path, out: Path, cap_s: float, max_steps: int, target: float, seed: int,
+            device: str = "cpu") -> dict:
     """TRL's GRPOTrainer in its own process (bench/_trl_toy.py)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "bench" / "_trl_toy.py"), "--model-dir", str(model), "--out-dir", str(out),
            "--max-steps", str(max_steps), "--time-cap-s", str(cap_s), "--eval-interval", "50",
-           "--target", str(target), "--seed", str(seed), "--decay-steps", str(wsd_decay_steps(max_steps))]
+           "--target", str(target), "--seed", str(seed), "--decay-steps", str(wsd_decay_steps(max_steps)),
+           "--device", device]
     t_launch = time.time()
     with open(out / "stdout.log", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -273,9 +292,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trl-cap-s", type=float, default=720.0, help="TRL run, from the start of training")
     ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--out", type=Path, default=RESULT, help="the results file (its .png beside it)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the results file, its .png beside it (default: bench/results/e2e.json, with --gpu e2e_gpu.json)")
+    ap.add_argument("--gpu", action="store_true", help="the race on one GPU: TRL on CUDA, Reservoir colocated")
+    ap.add_argument("--engine", choices=["sglang", "embedded"], default="sglang", help="Reservoir's engine with --gpu")
     args = ap.parse_args(argv)
+    args.out = args.out or (RESULT_GPU if args.gpu else RESULT)
     modes = args.modes.split(",")
+    if args.gpu and not set(modes) <= {"trl", "sync"}:
+        ap.error(f"--gpu runs colocated: --modes takes trl and sync only, got {args.modes}")
     seeds = [int(x) for x in args.seeds.split(",")]
 
     work = args.work_dir or Path(f"/tmp/e2e-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}")
@@ -292,9 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"== seed {seed}: {mode} ...", flush=True)
             out = work / f"{mode}_seed{seed}"
             if mode == "trl":
-                r = run_trl(model, out, args.trl_cap_s, args.max_steps, args.target, seed)
+                r = run_trl(model, out, args.trl_cap_s, args.max_steps, args.target, seed,
+                            "cuda" if args.gpu else "cpu")
             else:
-                r = run_reservoir(mode, model, out, args.cap_s, args.max_steps, args.target, seed)
+                r = run_reservoir(mode, model, out, args.cap_s, args.max_steps, args.target, seed,
+                                  args.engine if args.gpu else None)
             runs["trl" if mode == "trl" else f"reservoir_{mode}"].append({"seed": seed, **r})
             print(f"   done in {time.time() - t:.0f}s: time to target {_fmt(r['time_to_0.9_s'])} s, "
                   f"steps {r['steps']}, final {r['final_accuracy']}", flush=True)
@@ -304,11 +331,12 @@ def main(argv: list[str] | None = None) -> dict:
     best = min(ours, default=float("inf"))
     trl = metrics.get("trl", {}).get("time_to_0.9_s", {}).get("median", float("inf"))
     ratio = trl / best if best < float("inf") and trl < float("inf") else None
+    given = " ".join(argv if argv is not None else sys.argv[1:])
     result = {
-        "name": "e2e", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, CPU only",
-        "command": "unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py "
-                   + " ".join(argv if argv is not None else sys.argv[1:]) + "'",
+        "name": "e2e_gpu" if args.gpu else "e2e", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(args.gpu),
+        "command": f"python bench/e2e.py {given}" if args.gpu else
+                   f"unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py {given}'",
         "seeds": seeds, "metrics": metrics, "ratio": ratio,
         "ratio_definition": "TRL's median time to 0.9 from process start / the best Reservoir mode's median",
         "target": 1.5,
@@ -318,7 +346,20 @@ def main(argv: list[str] | None = None) -> dict:
     plot(metrics, args.target, args.out.with_suffix(".png"))
     print(table(metrics))
     print(f"ratio (TRL median / best Reservoir median, from process start) = {ratio}  (target 1.5)")
+    if args.gpu:
+        result["engine"] = args.engine
+        if args.engine == "sglang":
+            from importlib.metadata import version
+            result["engine_version"] = version("sglang")
     return result
+
+
+def _machine(gpu: bool) -> str:
+    base = f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    if not gpu:
+        return base + ", CPU only"
+    import torch
+    return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; {base}"
 
 
 def _finite(obj):

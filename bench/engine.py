@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = plan[name]
             es = EngineSettings(model_path=str(path), port=0, num_threads=args.threads, random_seed=0,
                                 device=args.device, dtype=args.dtype, native_forward=args.native_forward)
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, es.torch_dtype_name()))
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, es.torch_dtype_name(
+                json.loads((path / "config.json").read_text()))))
             hf = hf.to(args.device).eval()
             nparams = sum(p.numel() for p in hf.parameters())
             proc, url = launch_engine_process(es, timeout_s=300)

@@ -16,7 +16,9 @@ within one invocation; ``--variant NAME=FLAGS`` adds runs of this tree with extr
 driver's steps (the top functions).
 
 Per run: the median over the steps after ``--warmup`` of each part; over runs: the median, and
-the min and max as the spread. ``startup_cpu/...``: the CPU seconds each kind of process of the run
+the min and max as the spread. ``step_count/driver_ray_remote``: the actor calls the driver makes
+per step (each a round trip), ``step_count/driver_ray_blocking_get``: the ``ray.get``s it had to wait
+on (a call answered while other work ran costs the step nothing). ``startup_cpu/...``: the CPU seconds each kind of process of the run
 (driver, Ray's own, each actor, the engines) had used by the end of the first step, a start-up
 measure that a loaded machine disturbs far less than wall time (start-up on 2 cores is CPU-bound). Writes ``bench/results/step_overhead.json`` (``ratio``: the
 baseline's median step time / this tree's).
@@ -127,12 +129,15 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
     for name in STARTUP_SPANS + STEP_SPANS + ("finish",):
         wrap(name)
     startup_cpu: dict[str, float] = {}
+    calls = _count_driver_ray_calls()
+    per_step_calls: list[dict[str, int]] = []
     log_step = components.Run.log_step
 
     def log_step_then_account(self, *a, **k):
         result = log_step(self, *a, **k)
         if not startup_cpu:  # the first step's log: start-up and one step done
             startup_cpu.update(_session_cpu())
+        per_step_calls.append(dict(calls))  # the driver's Ray calls so far, read at each step's end
         return result
     components.Run.log_step = log_step_then_account
     # the start-up's inner parts (imported by the methods at call time, so patched in their modules)
@@ -185,7 +190,31 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
     out.write_text(json.dumps({"spawn": t_spawn, "main": t_main, "marks": {k: v for k, v in marks.items()
                                                                              if isinstance(v, float)},
                                "spans": spans, "rows": [r for r in rows if "train/step_time_s" in r],
-                               "startup_cpu": startup_cpu}))
+                               "startup_cpu": startup_cpu, "ray_calls": per_step_calls}))
+
+
+def _count_driver_ray_calls() -> dict[str, int]:
+    """Counts, live, the driver's actor calls (``remote``: one round trip each, to the buffer, the
+    rollout manager or a rank) and its ``ray.get``s that had to wait (the result was not there yet:
+    a round trip the driver sat through rather than one that ran beside other work)."""
+    import ray
+    import ray.actor
+
+    counts = {"remote": 0, "blocking_get": 0}
+    remote, get = ray.actor.ActorMethod._remote, ray.get
+
+    def counted_remote(self, *a, **k):
+        counts["remote"] += 1
+        return remote(self, *a, **k)
+
+    def counted_get(refs, *a, **k):
+        single = refs if isinstance(refs, list) else [refs]
+        if single and all(isinstance(r, ray.ObjectRef) for r in single):
+            counts["blocking_get"] += len(ray.wait(single, num_returns=len(single), timeout=0)[0]) < len(single)
+        return get(refs, *a, **k)
+    ray.actor.ActorMethod._remote = counted_remote
+    ray.get = counted_get
+    return counts
 
 
 # --- the parent: runs, medians --------------------------------------------------------------
@@ -262,6 +291,10 @@ def summarize(child: dict, warmup: int) -> dict[str, float]:
         if sp.get(span) and all(inner in r for r in rows):
             out[f"step_ms/{name}"] = 1000 * _median([sp[span][i] - r[inner]
                                                      for i, r in zip(range(warmup, n), rows)])
+    calls = child.get("ray_calls") or []
+    if len(calls) > warmup + 1:  # per step: the difference between step ends, median after the warm-up
+        for kind in calls[0]:
+            out[f"step_count/driver_ray_{kind}"] = _median([b[kind] - a[kind] for a, b in zip(calls[warmup:], calls[warmup + 1:])])
     out["steps_per_s"] = 1000 / out["step_ms/wall"]
     return out
 

@@ -143,12 +143,15 @@ class BufferActor:
         async with self._cond:
             return self._core.returns_groups()
 
-    async def commit(self, step: int, covered_put_ids: list[str] | None = None, cover_known: bool = False) -> None:
+    async def commit(self, step: int, covered_put_ids: list[str] | None = None, cover_known: bool = False,
+                     return_metrics: bool = False) -> dict[str, float | int | dict] | None:
         """The trainer's checkpoint of ``step`` is durable: consumption by steps <= step is final,
         and so are the returned groups taken by the puts it covers (``BufferCore.commit``;
-        ``cover_known``: every put id it knows)."""
+        ``cover_known``: every put id it knows). ``return_metrics``: returns ``metrics()`` as they
+        are after the commit (a launcher that logs them right after saves a round trip)."""
         async with self._cond:
             self._core.commit(step, covered_put_ids, cover_known)
+            return self._core.as_metrics() if return_metrics else None
 
     async def rewind(self, step: int, weight_version: int | None = None,
                      forget_put_ids: list[str] | None = None) -> int:

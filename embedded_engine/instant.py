@@ -49,6 +49,7 @@ class InstantEngine:
         self.running.set()
         self.inflight: dict[str, asyncio.Event] = {}
         self.count = 0
+        self.finished = 0  # requests answered (aborted ones too), as the embedded engine's finished_reqs
 
     @staticmethod
     def _json(obj: object) -> web.Response:
@@ -93,6 +94,7 @@ class InstantEngine:
                         pass
         finally:
             self.inflight.pop(rid, None)
+            self.finished += 1
         if aborted.is_set():  # an aborted request reports what it generated so far: half here
             n, finish = n // 2, {"type": "abort", "message": "aborted"}
         elif n < full:
@@ -134,7 +136,8 @@ class InstantEngine:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return self._json({"model_path": self.model_path, "tokenizer_path": self.model_path, "dp_size": 1,
-                           "tp_size": 1, "weight_version": self.weight_version})
+                           "tp_size": 1, "weight_version": self.weight_version,
+                           "internal_states": [{"finished_reqs": self.finished}]})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = loads(await request.read())

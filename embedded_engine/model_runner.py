@@ -64,8 +64,8 @@ class ModelRunner:
             # "cuda" means the process's current GPU (its CUDA_VISIBLE_DEVICES): give it the index
             # that set_device, NCCL and CUDA IPC need
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = getattr(torch, settings.torch_dtype_name())
         self.config = AutoConfig.from_pretrained(settings.model_path)
+        self.dtype = getattr(torch, settings.torch_dtype_name(self.config.to_dict()))
         if settings.load_format == "dummy":  # SGLang's: shapes from the config, values random
             with torch.device(self.device):
                 self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,

@@ -93,6 +93,8 @@ class Engine:
         r.add_get("/lora_adapter_checksum", self.lora_adapter_checksum)
         r.add_post("/lora_adapter_checksum", self.lora_adapter_checksum)
         r.add_get("/v1/models", self.v1_models)
+        for method in (r.add_get, r.add_post):
+            method("/get_weights_by_name", self.get_weights_by_name)
         return app
 
     async def _body(self, request: web.Request) -> Any:
@@ -315,6 +317,23 @@ class Engine:
         except ValueError as e:
             return _bad(str(e))
         return _json(sums)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_weights_by_name``: body ``{"name", "truncate_size": 100}`` -> the
+        parameter's leading rows as float32 lists (HF names; SGLang's own layout may differ: its
+        stacked projections and padded vocabulary); a name not held: 400, as SGLang answers."""
+        try:
+            body = await self._body(request)
+        except ProtocolError as e:
+            return _bad(str(e))
+        name = body.get("name") if isinstance(body, dict) else None
+        count = body.get("truncate_size", 100) if isinstance(body, dict) else None
+        if not isinstance(name, str) or isinstance(count, bool) or not isinstance(count, int):
+            return _bad("body: needs a string 'name' and an integer 'truncate_size'")
+        rows = await self.weights.leading_rows(name, count)
+        if rows is None:
+            return _bad("Get parameter by name failed")
+        return _json(rows)
 
     async def weights_info(self, request: web.Request) -> web.Response:
         """``{"params": [{name, shape, dtype, tied_to}]}``: what weight_sync validates a push against

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from flags import SettingError, add_flags, check_bound, check_choice, flag, flag_fields, flag_name, from_args
 from flags.parser import ArgumentParser
+from sglang_protocol.dtype import serving_dtype
 
 # The keys travel to an engine subprocess in its environment, never on its command line (which
 # any local user can read in ``ps``); the flags are SGLang's and still accepted.
@@ -31,7 +32,8 @@ class EngineSettings:
     host: str = flag("127.0.0.1", "address the HTTP server listens on")
     port: int = flag(30000, "port the HTTP server listens on (0: a free one)")
     device: str = flag("cpu", "cpu or cuda[:i]")
-    dtype: str = flag("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16", choices=DTYPES)
+    dtype: str = flag("auto", "auto (CUDA: SGLang's rule, the config's dtype with float32 served as float16; CPU: float32), "
+                      "float32, bfloat16, float16", choices=DTYPES)
     load_format: str = flag("auto", "auto: the checkpoint's weights; dummy: random weights of the config's shapes "
                             "(SGLang's; for benchmarks and tests that push their own weights)", choices=LOAD_FORMATS)
     custom_weight_loader: str = flag("", "SGLang's: import paths of functions fn(model, named_tensors) that "
@@ -88,10 +90,16 @@ class EngineSettings:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def torch_dtype_name(self) -> str:
+    def torch_dtype_name(self, config: dict | None = None) -> str:
+        """The dtype the engine serves in. ``auto``: on CUDA, SGLang's own rule on the model's
+        config (``sglang_protocol.dtype``: a float32 checkpoint is served as float16), so a run
+        with the embedded engine serves what one with SGLang would; on the CPU, float32 (half
+        precision there is slow, and the CPU tier compares log-probs exactly)."""
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"
+        if self.device == "cpu":
+            return "float32"
+        return serving_dtype("auto", config or {}) or "bfloat16"
 
     def weight_loaders(self) -> list[str]:
         """``--custom-weight-loader``'s import paths (SGLang's flag takes several: space- or

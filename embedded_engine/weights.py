@@ -631,6 +631,21 @@ class WeightManager:
         except RuntimeError:  # shutting down: no forward follows
             pass
 
+    async def leading_rows(self, name: str, count: int) -> list | None:
+        """SGLang's ``/get_weights_by_name`` answer: the parameter's first ``count`` rows as float32
+        lists, read between forwards; None for a name the model does not hold (SGLang's runner
+        answers None after catching its model's error)."""
+        params = self._params
+        if name not in params:
+            return None
+        side = self._side
+
+        def read() -> list:
+            if side is not None:
+                torch.cuda.current_stream(side.device).wait_stream(side)
+            return params[name].detach()[:count].float().cpu().tolist()
+        return await asyncio.wrap_future(self.scheduler.run_command(read))
+
     async def checksums(self, names: list[str] | None, dtype: torch.dtype | None) -> dict[str, str]:
         """``{name: tensor_checksum}`` of the model's parameters (HF names), read between forwards."""
         params = self._params

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 from buffer.sample import parse_weight_version
-from sglang_protocol import held_weights
 from sglang_protocol.client import EngineClient, EngineError, normalize_url
 from sglang_protocol.net import pick_port
 from rollout_manager.procenv import child_environ
@@ -91,6 +90,7 @@ class ManagedEngine:
     restarted: bool = False  # restarted and not yet back in the router
     held_at: int | None = None  # the fleet version it was last kept out for (logged once per version)
     removed: bool = False  # taken out of the fleet (``EngineFleet.remove``): a monitor round in flight leaves it be
+    node_id: str | None = None  # the Ray node it runs on (Ray placement), else None
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def engine_command(settings: RolloutSettings, index: int, ports: EnginePorts,
                             weight_update_dirs=",".join(e.weight_update_dirs),
                             weight_update_masters=",".join(e.weight_update_masters),
                             api_key=e.api_key, admin_api_key=e.admin_api_key,
-                            custom_weight_loader=held_weights.LOADER, enable_lora=e.lora_rank > 0,
+                            custom_weight_loader=_held_loader(), enable_lora=e.lora_rank > 0,
                             max_lora_rank=e.lora_rank or None,
                             lora_target_modules=" ".join(e.lora_target_modules or []))
         env.update(es.key_env())
@@ -155,13 +155,22 @@ def _with_held_loader(sglang_args: list[str]) -> list[str]:
     """SGLang's flags with ``--custom-weight-loader`` allowing the held-weights loader (colocated
     pushes with ``--update-weight-load-format mapped``), added to the user's list if they gave one
     (SGLang's flag takes several paths; a second occurrence would replace the first)."""
-    args = list(sglang_args)
+    args, loader = list(sglang_args), _held_loader()
     for i, a in enumerate(args):
         if a == "--custom-weight-loader":
-            return args[:i + 1] + [held_weights.LOADER] + args[i + 1:]
+            return args[:i + 1] + [loader] + args[i + 1:]
         if a.startswith("--custom-weight-loader="):
-            return args[:i] + ["--custom-weight-loader", held_weights.LOADER, a.partition("=")[2]] + args[i + 1:]
-    return ["--custom-weight-loader", held_weights.LOADER, *args]
+            return args[:i] + ["--custom-weight-loader", loader, a.partition("=")[2]] + args[i + 1:]
+    return ["--custom-weight-loader", loader, *args]
+
+
+def _held_loader() -> str:
+    """The held-weights loader's import path. Imported here, not at the top: ``held_weights`` imports
+    torch, which the launcher (it imports this module through the rollout manager's actor class)
+    needs for nothing else."""
+    from sglang_protocol.held_weights import LOADER
+
+    return LOADER
 
 
 def _take_port(host: Any, ip: str, taken: set[int], start: int = 0, count: int = 1) -> int:
@@ -279,12 +288,14 @@ class EngineFleet:
             raise
         self._monitor = asyncio.ensure_future(self._monitor_loop())
 
-    def plan(self, added: int = 0) -> list[ManagedEngine]:
+    def plan(self, added: int = 0, node_ip: str | None = None,
+             place_timeout: float | None = None) -> list[ManagedEngine]:
         """The engines to start, none started yet: with Ray placement their hosts are placed first;
         each gets its ports (distinct among the engines of a node) and its command line. Blocks
         on Ray calls: ``start`` runs it in a thread. ``added > 0``: that many engines more for a
         running fleet (``add``), numbered after its engines, each in a placement group of its own
-        (so that removing it frees its resources)."""
+        (so that removing it frees its resources); ``node_ip``: placed on that Ray node only, within
+        ``place_timeout`` seconds (default ``--engine-startup-timeout``)."""
         e = self.settings.engines
         if not self.settings.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required to start engines")
@@ -294,11 +305,18 @@ class EngineFleet:
         if self._use_ray():
             from rollout_manager.placement import place_engine_hosts
             gpus = e.rollout_num_gpus_per_engine if e.rollout_num_gpus else 0
-            place = functools.partial(place_engine_hosts, gpus_per_engine=gpus, timeout=e.engine_startup_timeout,
-                                      resources=e.ray_resources())
+            place = functools.partial(place_engine_hosts, gpus_per_engine=gpus, timeout=place_timeout or e.engine_startup_timeout,
+                                      resources=e.ray_resources(), node_ip=node_ip)
             if added:
-                for i in range(added):
-                    groups[i], [hosts[i]] = place(1)
+                try:
+                    for i in range(added):
+                        groups[i], [hosts[i]] = place(1)
+                except BaseException:  # those placed before the one that failed are not the fleet's yet
+                    from rollout_manager.placement import release
+                    for g, h in zip(groups, hosts):
+                        if g is not None:
+                            release(g, [h])
+                    raise
             else:
                 self._pg, hosts = place(len(hosts))
         taken: dict[str, set[int]] = {}  # ports handed out so far, per node
@@ -315,20 +333,22 @@ class EngineFleet:
             cmd, env = engine_command(self.settings, i, ports, ip)
             engines.append(ManagedEngine(i, f"http://{_uri_host(ip)}:{ports.port}", cmd, env,
                                          log_path=self.log_dir / f"engine_{i}.log", host=host,
-                                         group=groups[i - first]))
+                                         group=groups[i - first],
+                                         node_id=None if host is None else _ray_get(host.node_id.remote())))
         return engines
 
     # --- an elastic fleet: engines added and removed while the run goes on ---------------------------
-    async def add(self, count: int) -> list[str]:
-        """Start ``count`` more engines; their URLs. They stay out of the router until they serve the
-        fleet's weight version (``_admit``): the next push reaches them first (the launcher hands the
-        trainer the fleet's URLs before each push), so no request meets the initial weights."""
+    async def add(self, count: int, node_ip: str | None = None, place_timeout: float | None = None) -> list[str]:
+        """Start ``count`` more engines (on the Ray node at ``node_ip`` if given); their URLs. They stay
+        out of the router until they serve the fleet's weight version (``_admit``): the next push
+        reaches them first (the launcher hands the trainer the fleet's URLs before each push), so no
+        request meets the initial weights."""
         if count < 1:
             raise ValueError(f"count {count}: add at least one engine")
         if self.settings.engines.engine_urls:
             raise ValueError("--engine-urls: the fleet runs engines it did not start; it cannot add any")
         async with self._resizing:
-            new = await asyncio.to_thread(self.plan, count)
+            new = await asyncio.to_thread(self.plan, count, node_ip, place_timeout)
             try:
                 for eng in new:
                     await asyncio.to_thread(self._spawn, eng)
@@ -362,6 +382,21 @@ class EngineFleet:
             await self._end(eng)
         self.events.append(f"engine {eng.index} removed from the fleet")
         log.warning("removed engine %d at %s; the fleet has %d", eng.index, eng.url, len(self.engines))
+
+    async def finished_requests(self) -> dict[int, int]:
+        """Per engine index, the requests it has finished since it started (the embedded and instant
+        engines' ``/server_info`` ``internal_states[0].finished_reqs``); engines that do not say
+        (SGLang) or do not answer are left out. The rollout's per-engine throughput."""
+        async def one(eng: ManagedEngine) -> int | None:
+            try:
+                async with self._client(eng.url, timeout=self.settings.engines.health_check_timeout) as c:
+                    states = (await c.server_info()).get("internal_states") or [{}]
+                return int(states[0]["finished_reqs"])
+            except (EngineError, RuntimeError, KeyError, TypeError, ValueError, IndexError):
+                return None
+        engines = self.engines
+        counts = await asyncio.gather(*(one(eng) for eng in engines))
+        return {eng.index: n for eng, n in zip(engines, counts) if n is not None}
 
     async def _end(self, eng: ManagedEngine) -> None:
         """End one engine's process (and its own placement group, if it has one)."""

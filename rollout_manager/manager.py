@@ -33,6 +33,7 @@ from metric_keys import ROLLOUT_BUFFER_CALLS_TIME, ROLLOUT_PUSH_TIME
 from plugins.loader import load_function, plugin_atexit_functions
 from plugins.slime_args import fill_slime_args
 from rollout_manager.agent import check_agent_template, load_agent_env
+from rollout_manager.autoscale import FleetAutoscaler
 from rollout_manager.data_source import DataReport, DataSource, ThreadSafeDataSource, load_prompts
 from rollout_manager.dispatch import Dispatcher
 from rollout_manager.engines import EngineFleet
@@ -185,6 +186,7 @@ class RolloutManager:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self.router: Router | None = None
         self.fleet: EngineFleet | None = None
+        self.autoscaler: FleetAutoscaler | None = None  # --rollout-fleet-autoscale
         self.teacher: Teacher | None = None  # --opd-teacher-url / --opd-teacher-load
         self.ctx: RolloutContext | None = None
         self._client: EngineClient | None = None
@@ -227,6 +229,10 @@ class RolloutManager:
         try:
             await self.fleet.start()
             self.teacher = await Teacher.start(self.settings, self.log_dir)  # on-policy distillation's, if any
+            if e.rollout_fleet_autoscale:
+                self.autoscaler = FleetAutoscaler(self.fleet)
+                await self.autoscaler.poll()  # the nodes of now are the fleet's own (rollout_manager/autoscale.py)
+                self.autoscaler.start()
         except BaseException:
             await self.fleet.stop()
             self.router.stop()
@@ -310,6 +316,8 @@ class RolloutManager:
         the router this manager started."""
         if self.ctx is not None:
             await self._stop_detached_work(self.ctx)
+        if self.autoscaler is not None:  # before the fleet: it adds and removes engines
+            await self.autoscaler.stop()
         stops = [self.fleet.stop()] if self.fleet is not None else []
         if self.router is not None:  # the router and the engines stop side by side (each waits on its exit)
             stops.append(asyncio.to_thread(self.router.stop))
@@ -399,6 +407,7 @@ class RolloutManager:
         batch because samples keep failing or the filter keeps dropping groups."""
         self._last_rollout_id = rollout_id
         key = self.settings.plugins.reward_key
+        served = await self.fleet.finished_requests() if self.fleet is not None else {}
         try:
             groups, step, seconds, extra = await self._call_rollout_fn(self.rollout_fn, rollout_id, self.data_source,
                                                                        evaluation, on_group)
@@ -420,6 +429,8 @@ class RolloutManager:
             # the router sends requests to (a new engine joins it once a push gave it the current weights)
             metrics["rollout/num_engines"] = float(len(self.fleet.engines))
             metrics["rollout/engines_serving"] = float(sum(e.registered for e in self.fleet.engines))
+            self.args.rollout_num_engines = len(self.fleet.engines)  # the autoscaler changes it too
+            metrics.update(_engine_throughput(served, await self.fleet.finished_requests(), seconds))
         if self.rollout_log_fn is not None:
             samples = [s for g in groups for s in g]
             if self._log_hook("--custom-rollout-log-function-path", self.rollout_log_fn, rollout_id, self.args,
@@ -559,6 +570,17 @@ async def _unless_detached_work_fails(ctx: RolloutContext, step: StepState, call
         t.cancel()
     call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is the one above
     raise RolloutFailed(step.failed, step)
+
+
+def _engine_throughput(before: dict[int, int], after: dict[int, int], seconds: float) -> dict[str, float]:
+    """``rollout/engine_<i>_samples_per_s``: the requests (samples) engine ``i`` finished during the
+    step over the step's time, from its counters at the step's start and end (an engine added
+    meanwhile counted from 0; one restarted meanwhile from its restart)."""
+    out = {}
+    for i, n in after.items():
+        done = n - before.get(i, 0) if n >= before.get(i, 0) else n
+        out[f"rollout/engine_{i}_samples_per_s"] = done / seconds if seconds > 0 else 0.0
+    return out
 
 
 def _run_all(fns: list[Callable[[], Any]]) -> None:

@@ -98,6 +98,11 @@ class EngineFleetSettings:
                                        "restarted)")
     restart_dead_engines: bool = flag(True, "restart an engine that died or failed its health checks (it rejoins "
                                       "the router at the current weight version)")
+    rollout_fleet_autoscale: bool = flag(False, "grow and shrink the fleet with the Ray cluster (Ray placement): a "
+                                         "node that joins with room for engines gets them (up to "
+                                         "--rollout-fleet-max-engines), the engines of a node that leaves are taken "
+                                         "out of the fleet; the run goes on (docs/multinode.md)")
+    rollout_fleet_max_engines: int = flag(8, "most engines the fleet grows to with --rollout-fleet-autoscale")
     sglang_args: list[str] = field(default_factory=list)  # --sglang-* pass-through, as SGLang server CLI tokens
     router_args: list[str] = field(default_factory=list)  # --sglang-router-* pass-through, as sglang-router tokens
     # The servers' --api-key / --admin-api-key (from --sglang-api-key / --sglang-admin-api-key, or
@@ -131,7 +136,14 @@ class EngineFleetSettings:
 
     def __post_init__(self) -> None:
         check_bound(self, ">", 0, "rollout_num_engines", "rollout_num_gpus_per_engine", "engine_startup_timeout",
-                    "health_check_interval", "health_check_timeout")
+                    "health_check_interval", "health_check_timeout", "rollout_fleet_max_engines")
+        local = self.rollout_engine_placement == "local" or (self.rollout_engine_placement == "auto"
+                                                             and not self.rollout_num_gpus)
+        if self.rollout_fleet_autoscale and (self.engine_urls or local):
+            raise SettingError(("rollout_fleet_autoscale", "rollout_engine_placement"),
+                               "{rollout_fleet_autoscale} places engines on the nodes that join the Ray cluster: it "
+                               "needs {rollout_engine_placement} ray (or auto with GPUs), not local engines or "
+                               "{engine_urls}")
         check_bound(self, ">=", 0, "rollout_num_gpus")
         self.ray_resources()  # a malformed NAME=AMOUNT fails here, naming the flag
         if (self.sglang_router_ip is None) != (self.sglang_router_port is None):

@@ -23,7 +23,7 @@ from flags import SettingError, add_flags, check_bound, flag, flag_of, from_args
 from flags.parser import ArgumentParser
 from rollout_manager.settings import (EngineFleetSettings, PluginSettings, RolloutLoopSettings, RolloutSettings,
                                       SamplingSettings)
-from scripts.config import load_config_defaults
+from scripts.config import load_config_defaults, passthrough_tokens
 from train_backend.actor_group import TrainerGroupSettings
 from train_backend.settings import TrainSettings
 
@@ -147,6 +147,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunSetting
         try:
             defaults = load_config_defaults(parser, pre.config)
             parser.set_defaults(**defaults)
+            # the file's --sglang-* keys go first: the command line's own come after and win
+            sglang_args = split_sglang_args(passthrough_tokens(parser, pre.config))[1] + sglang_args
         except ValueError as e:
             parser.error(str(e))
     args = parser.parse_args(argv)

@@ -18,11 +18,11 @@ import json
 import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from scripts.arguments import checkpoint_dir
 
@@ -39,11 +39,12 @@ def _rollout_of(put_id: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def commit_without_checkpoint(buffer: Any, step: int) -> None:
+def commit_without_checkpoint(buffer: Any, step: int) -> dict[str, Any]:
     """A run without ``--save`` can never go back to an earlier step, so its consumption is final
     as each step ends (else every batch would stay leased in the buffer, and with --buffer-dir in
-    its segments, for the whole run)."""
-    call_buffer(buffer, "commit", step, cover_known=True)  # one buffer call, not known_put_ids + commit
+    its segments, for the whole run). Returns the buffer's metrics after the commit (the step's
+    log wants them: one buffer call, not commit + metrics, nor known_put_ids + commit)."""
+    return call_buffer(buffer, "commit", step, cover_known=True, return_metrics=True)
 
 
 def save(save_dir: str, step: int, *, trainer: Any, buffer: Any, rollout: Any, producer: Any,
@@ -132,15 +133,19 @@ def resume_hint(save_dir: str | None) -> str:
 
 def _rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": repr(random.getstate()), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
-            "torch": torch.get_rng_state().tolist()}
+    state = {"python": repr(random.getstate()), "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+    if "torch" in sys.modules:  # the launcher imports no torch (components.Run._seed); if something did, its RNG too
+        state["torch"] = sys.modules["torch"].get_rng_state().tolist()
+    return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(state["python"]))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "torch" in state and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -14,13 +14,13 @@ import dataclasses
 import functools
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
-import torch
 
 from scripts import checkpoint
 from scripts.arguments import RunSettings, check_inputs
@@ -50,6 +50,8 @@ class Run:
         self.weight_sync_connected = False
         self.engine_memory = None  # --colocate: hands the engines' GPU memory to the trainer and back
         self._pending: dict[str, float] = {}
+        self._commit_at: int | None = None  # no --save: the step whose consumption log_step makes final
+        self._fleet_urls = None  # the rollout manager's engine_urls, asked for by train (an ObjectRef)
         self._producer: AsyncProducer | None = None
         self.first_rollout = 0  # the next rollout to generate (after a resume: the first the checkpoint lacks)
         self._owns_ray = False
@@ -110,7 +112,8 @@ class Run:
     def _seed(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed)
-        torch.manual_seed(seed)
+        if "torch" in sys.modules:  # the launcher draws no torch random numbers, and importing torch
+            sys.modules["torch"].manual_seed(seed)  # for the seed alone was most of its start-up CPU
 
     def _start_ray(self) -> None:
         """Every mode needs Ray: the trainer ranks are actors too (--debug-train-only included)."""
@@ -264,6 +267,11 @@ class Run:
         if self.engine_memory is not None:  # --colocate: the engines' KV cache goes to the trainer
             with self._timer("perf/release_memory_time"):
                 self.engine_memory.release()
+        if self.weight_sync_connected and self.engine_memory is None:
+            # the fleet's URLs for the push that follows, asked for now: the answer travels while the
+            # ranks train instead of costing the push a round trip of its own. An engine added
+            # meanwhile gets the next push (the fleet admits engines only at its weight version)
+            self._fleet_urls = self.rollout.engine_urls.remote()
         with self._timer(TRAIN_TIME.key):
             self._pending.update(self.trainer.train_step(groups, step))
 
@@ -293,7 +301,8 @@ class Run:
 
         if self.engine_memory is not None:  # --colocate: a fixed fleet, one engine per trainer GPU
             return
-        urls = ray.get(self.rollout.engine_urls.remote())
+        asked, self._fleet_urls = self._fleet_urls, None
+        urls = ray.get(asked if asked is not None else self.rollout.engine_urls.remote())
         if urls == self.engine_urls:
             return
         gpus = asyncio.run(engine_gpus(self.settings.rollout, urls))
@@ -304,10 +313,9 @@ class Run:
     @crash_point_after("after_save")
     def maybe_save(self, step: int) -> None:
         """Checkpoint at each --save-interval step and the last (``checkpoint.save``); the buffer's
-        consumption up to ``step`` becomes final with it (without --save: at once)."""
-        if not self.s.save:
-            if self.buffer is not None:
-                checkpoint.commit_without_checkpoint(self.buffer, step)
+        consumption up to ``step`` becomes final with it (without --save: in ``log_step``'s buffer call)."""
+        if not self.s.save:  # the commit rides in log_step's buffer call (it returns the metrics)
+            self._commit_at = step
             return
         if not self.s.save_interval or (step + 1) % self.s.save_interval and step + 1 != self.s.num_rollout:
             return
@@ -346,7 +354,9 @@ class Run:
             self._pending.update(_mean_metrics(self._producer.drain_metrics()))
         self._pending.update(step_breakdown(self._pending))  # each Ray call's time outside its part
         if self.buffer is not None:
-            m = call_buffer(self.buffer, "metrics")
+            commit_at, self._commit_at = self._commit_at, None
+            m = (call_buffer(self.buffer, "metrics") if commit_at is None
+                 else checkpoint.commit_without_checkpoint(self.buffer, commit_at))
             self._pending.update({f"buffer/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
         self.logger.log(step, self._pending)
         self.steps_done += 1

@@ -7,6 +7,9 @@ call fails), ``router@<point>:<step>`` and ``engine@<point>:<step>`` (SIGKILL th
 engine 0, then go on: the fleet's monitor restarts it). Two drills of an elastic fleet change it
 there by the rollout manager's admin calls, then go on: ``grow@<point>:<step>`` adds two engines
 (returning once they answer), ``shrink@<point>:<step>`` removes the fleet's first engine.
+``hold@<point>:<step>`` holds the run there for a test that changes the cluster meanwhile (a node
+joins or dies): it writes ``held_<point>_<step>`` into ``$RESERVOIR_HOLD_DIR`` and goes on once
+``release_<point>_<step>`` appears there.
 
 The points are the ends of the schedule's steps: ``after_get``, ``after_train``, ``after_push``
 and ``after_save``, each marked on its ``Run`` method by :func:`crash_point_after` (so the
@@ -23,7 +26,9 @@ import time
 from typing import Any, Callable
 
 CRASH_ENV = "RESERVOIR_CRASH_AT"
-TARGETS = ("", "buffer", "trainer", "router", "engine", "grow", "shrink")  # "": the driver
+HOLD_ENV = "RESERVOIR_HOLD_DIR"
+_HOLD_S = 600.0  # a hold no test released by then goes on (the test has failed meanwhile)
+TARGETS = ("", "buffer", "trainer", "router", "engine", "grow", "shrink", "hold")  # "": the driver
 
 
 def crash_targets(point: str, step: int) -> list[str]:
@@ -36,7 +41,7 @@ def crash_targets(point: str, step: int) -> list[str]:
             continue
         if target not in TARGETS:
             raise ValueError(f"{CRASH_ENV}={spec!r}: unknown target {target!r} "
-                             "(buffer, trainer, router, engine, grow, shrink, or none)")
+                             "(buffer, trainer, router, engine, grow, shrink, hold, or none)")
         targets.append(target)
     return targets
 
@@ -50,6 +55,9 @@ def crash_point(run: Any, point: str, step: int) -> None:
     import ray
 
     for target in targets:
+        if target == "hold":
+            hold(point, step)
+            continue
         if target in ("grow", "shrink"):
             print(f"{CRASH_ENV}: {target} the engine fleet at {point} of step {step}", flush=True)
         else:
@@ -79,6 +87,19 @@ def crash_point_after(point: str, step_of: Callable[[int], int] = lambda step: s
             return out
         return with_crash_point
     return mark
+
+
+def hold(point: str, step: int) -> None:
+    """``hold@<point>:<step>``: say so in ``$RESERVOIR_HOLD_DIR``, then wait for the test's release."""
+    where = os.environ.get(HOLD_ENV)
+    if not where:
+        raise ValueError(f"{CRASH_ENV}=hold@{point}:{step} needs {HOLD_ENV} (the directory of its files)")
+    print(f"{CRASH_ENV}: holding at {point} of step {step}", flush=True)
+    open(os.path.join(where, f"held_{point}_{step}"), "w").close()
+    release = os.path.join(where, f"release_{point}_{step}")
+    deadline = time.monotonic() + _HOLD_S
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def die_in_push(step: int) -> Callable[[int, int], None] | None:

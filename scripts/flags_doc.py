@@ -23,7 +23,8 @@ Every flag of `scripts/train.py`, of `python -m rollout_manager` and of `python 
 (the CPU engine the fleet starts), grouped as their `--help` groups them; an empty default is none. Generated from the flag declarations (the settings
 dataclasses' `flag(...)` fields): edit those, not this page, and regenerate it with
 `{COMMAND}`. SGLang's own flags pass through as `--sglang-<flag>`,
-sglang-router's as `--sglang-router-<flag>` (`rollout_manager/arguments.py`).
+sglang-router's as `--sglang-router-<flag>` (`rollout_manager/arguments.py`); in a `--config` file
+as `sglang-<flag>:` keys (a list for several values, `true` for a bare flag; `scripts/config.py`).
 """
 
 def _type(a: argparse.Action) -> str:

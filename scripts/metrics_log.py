@@ -28,9 +28,7 @@ class MetricsLogger:
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+            self._tb = _EventFile(self.dir / "tensorboard")
         self._wandb = None
         if use_wandb:
             try:
@@ -64,10 +62,8 @@ class MetricsLogger:
             tmp.replace(self.path)  # atomic: a crash now leaves the old file or the new one
             self._file = open(self.path, "a", buffering=1)
         if self._tb is not None:  # TensorBoard hides the earlier session's events of steps > step
-            from torch.utils.tensorboard import SummaryWriter
-
             self._tb.close()
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=step + 1)
+            self._tb = _EventFile(self.dir / "tensorboard", purge_step=step + 1)
         return dropped
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -75,13 +71,7 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            # one event holding every scalar of the record (each as add_scalar writes it): an
-            # event per scalar cost a protobuf, a queue hand-off and a write each, ~100 a step
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in numeric.items()]
-            self._tb._get_file_writer().add_summary(Summary(value=values), step)  # as add_scalar does
-            self._tb.flush()
+            self._tb.add_scalars(step, numeric)
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
 
@@ -91,6 +81,40 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class _EventFile:
+    """A TensorBoard event file in ``log_dir``, written as ``torch.utils.tensorboard.SummaryWriter``
+    writes it (TensorBoard's own ``EventFileWriter``, events built the same way), without importing
+    torch: the launcher's process needs torch for nothing else, and importing it is most of the
+    launcher's start-up CPU. ``purge_step``: TensorBoard hides the events of this and later steps
+    that an earlier session wrote (a resumed run logs them again)."""
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(log_dir), 10, 120, "")  # SummaryWriter's queue, flush and suffix
+        if purge_step is not None:  # the two events SummaryWriter(purge_step=...) starts with
+            self._add(Event(file_version="brain.Event:2"), purge_step)
+            self._add(Event(session_log=SessionLog(status=SessionLog.START)), purge_step)
+
+    def _add(self, event: Any, step: int) -> None:
+        event.wall_time = time.time()
+        event.step = int(step)
+        self._writer.add_event(event)
+
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """One event holding every scalar (each as ``add_scalar`` writes it; an event per scalar
+        cost a protobuf, a queue hand-off and a write each, ~100 a step), flushed."""
+        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+        self._add(self._event(summary=self._summary(value=values)), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _jsonable(v: Any) -> Any:

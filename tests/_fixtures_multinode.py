@@ -65,8 +65,11 @@ class RayNodes:
                              *(["--resources", json.dumps(resources)] if resources else [])]
         log = self.log_dir / f"node_{ip}.log"
         with open(log, "w") as out:
+            # the GCS declares a node that stopped answering dead in seconds (Ray's default: half a
+            # minute), so that a node killed by a test leaves the cluster while the run goes on
             proc = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *self.args[ip]],
-                                    env=cluster_env(RAY_TMPDIR=self.tmp), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                    env=cluster_env(RAY_TMPDIR=self.tmp, RAY_health_check_period_ms="1000",
+                                                    RAY_health_check_failure_threshold="5"), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[ip] = proc
         deadline = time.monotonic() + _UP_S
         while "Ray runtime started" not in log.read_text():

@@ -145,6 +145,20 @@ def test_staleness_versions_and_metrics(ray_local, name, tmp_path):
     assert m["returned_stale"] == 2 and m["staleness"] == {"0": 1} and m["bytes_on_disk"] > 0
 
 
+def test_commit_returns_the_metrics_after_it_when_asked(ray_local, name):
+    """The launcher without --save commits each step and logs the buffer's metrics in one call."""
+    ray = ray_local
+    h = create_buffer(name, BufferSettings())
+    ray.get(h.put.remote([make_group(0), make_group(1)], put_id="p0"))
+    ray.get(h.get.remote(2, step=0))
+    assert ray.get(h.metrics.remote())["leased_groups"] == 2
+    assert ray.get(h.commit.remote(0, cover_known=True)) is None
+    ray.get(h.put.remote([make_group(2)], put_id="p1"))
+    ray.get(h.get.remote(1, step=1))
+    m = ray.get(h.commit.remote(1, cover_known=True, return_metrics=True))
+    assert m == ray.get(h.metrics.remote()) and m["leased_groups"] == 0 and m["commits"] == 2
+
+
 def test_save_restore_through_the_actor(ray_local, name, tmp_path):
     ray = ray_local
     h = create_buffer(name, BufferSettings())

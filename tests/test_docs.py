@@ -1,5 +1,6 @@
 """The pages under docs/ that are checked against the code: docs/flags.md is generated from the
-flag declarations, and docs/walkthrough.md names only files and functions that exist."""
+flag declarations, docs/walkthrough.md names only files and functions that exist, and
+bench/RESULTS.md is generated from the result files and bench/NOTES.md."""
 
 from __future__ import annotations
 
@@ -50,3 +51,15 @@ def test_walkthrough_names_real_files_and_functions():
                 problems.append(f"{name}: no {kind} {ident} in {where}")
         functions += 1
     assert functions > 50 and problems == [], "\n".join(problems)
+
+
+def test_bench_results_page_is_current():
+    """bench/RESULTS.md is what bench/write_results.py renders from bench/results/*.json and
+    bench/NOTES.md: a note written straight into RESULTS.md is lost at the next regeneration."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("write_results", ROOT / "bench/write_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "bench/RESULTS.md").read_text() == module.render(), \
+        "bench/RESULTS.md is stale or edited by hand: write notes into bench/NOTES.md, then run `python bench/write_results.py`"

@@ -25,6 +25,7 @@ LAYERS = {
     "metric_keys": 0,  # the plotted metric keys and the plots: imports nothing of ours
     "sglang_protocol": 0,  # SGLang's protocol, ports, JSON: imports nothing of ours
     "plugins": 0,  # the plugin loader and the built-in plugins (rewards, filters)
+    "ray_cluster": 0,  # Ray helpers the engines' and the trainer ranks' placement share: imports nothing of ours
     "embedded_engine": 1,  # SGLang stand-ins for CPU runs and tests: imports only flags and sglang_protocol
     "buffer": 1,  # samples, the buffer actor; calls its filter plugin through plugins.loader
     "weight_sync": 2,

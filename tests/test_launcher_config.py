@@ -119,3 +119,48 @@ def test_step_breakdown_derives_each_calls_time_outside_its_part():
     got = step_breakdown(step)
     assert got == pytest.approx({"perf/rollout_call_time": 0.01, "perf/train_call_time": 0.005,
                                  "perf/rollout_manager_rest_time": 0.004})
+
+
+def test_sglang_passthrough_keys_become_server_flags(tmp_path, toy_model_dir):
+    """A config's ``sglang-`` keys that are not flags of ours pass through to SGLang as on the
+    command line (lists as several values, true as the bare flag, false left out); the command
+    line's own come after them, so they win; a typo of one of our ``--sglang-`` flags is refused."""
+    from scripts.arguments import parse_args
+    from scripts.config import passthrough_tokens
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout-engine: sglang\nrollout-num-gpus: 1\nsglang-attention-backend: triton\nsglang-cuda-graph-bs-decode: [1, 2, 4]\n"
+                   "sglang-enable-memory-saver: true\nsglang-disable-radix-cache: false\nsglang-router-request-timeout-secs: 30\n"
+                   "sglang-server-concurrency: 64\n")
+    p = parser()
+    p.add_argument("--sglang-server-concurrency", type=int)
+    assert passthrough_tokens(p, str(cfg)) == ["--sglang-attention-backend", "triton", "--sglang-cuda-graph-bs-decode",
+                                               "1", "2", "4", "--sglang-enable-memory-saver",
+                                               "--sglang-router-request-timeout-secs", "30"]
+    args = parse_args(["--config", str(cfg), "--hf-checkpoint", str(toy_model_dir),
+                       "--prompt-data", str(toy_model_dir / "data/train.jsonl"), "--sglang-attention-backend", "fa3"])
+    assert args.sglang_server_concurrency == 64
+    assert args.sglang_args == ["--attention-backend", "triton", "--cuda-graph-bs-decode", "1", "2", "4",
+                                "--enable-memory-saver", "--router-request-timeout-secs", "30", "--attention-backend", "fa3"]
+    cfg.write_text("sglang-server-concurency: 64\n")
+    with pytest.raises(ValueError, match=r"line 1: unknown flag '--sglang-server-concurency' \(did you mean --sglang-server-concurrency"):
+        load_config_defaults(p, str(cfg))
+
+def test_the_launcher_process_imports_neither_torch_nor_transformers(tmp_path):
+    """What the launcher imports to start a run and log its steps (the actors' classes, the metrics
+    log with TensorBoard, a checkpoint) leaves torch and transformers to the processes that compute:
+    importing torch was most of the launcher's start-up CPU, serially before Ray starts."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from scripts.components import Run\n"
+            "from scripts import checkpoint\n"
+            "import buffer, rollout_manager.actor, rollout_manager.engines, train_backend.actor_group\n"
+            "from scripts.metrics_log import MetricsLogger\n"
+            f"log = MetricsLogger({str(tmp_path)!r}, use_tensorboard=True)\n"
+            "log.log(0, {'a': 1.0}); log.truncate_after(0); log.close()\n"
+            "checkpoint._set_rng_state(checkpoint._rng_state())\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from buffer.arrow import read_parquet
-from _fixtures_multinode import RayNodes, actors, cluster_env
+from _fixtures_multinode import RayNodes, actors, cluster_env, driver
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAD, TRAINER_NODE, ENGINE_NODE = "127.0.0.1", "127.0.0.2", "127.0.0.3"
+HEAD, TRAINER_NODE, ENGINE_NODE, JOINING_NODE = "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"
 BATCH, N = 4, 2
 
 
@@ -135,8 +135,16 @@ def test_a_node_killed_mid_run_ends_the_run_and_load_resumes_every_group_exactly
 
 def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
     """Until the run logged train step ``step`` (it goes on meanwhile)."""
+    wait_for_record(proc, out, lambda r: r["step"] >= step, timeout)
+
+
+def wait_for_record(proc: subprocess.Popen, out: Path, test, timeout: float = 300) -> dict:
+    """Until the run logged a train step whose record passes ``test`` (it goes on meanwhile); that record."""
     deadline = time.monotonic() + timeout
-    while not ((out / "metrics.jsonl").exists() and any(r["step"] >= step for r in train_records(out))):
+    while True:
+        found = [r for r in train_records(out) if test(r)] if (out / "metrics.jsonl").exists() else []
+        if found:
+            return found[0]
         assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-4000:]
         time.sleep(0.2)
 
@@ -169,6 +177,71 @@ def test_engines_added_and_removed_mid_run_serve_only_current_weights_and_every_
     assert fleet == [1, 1, 3, 3, 2, 2] and pushed == [1, 1, 3, 3, 2, 2], (fleet, pushed)
     assert serving[:3] == [1, 1, 1] and serving[4:] == [2, 2], serving
     assert all(r["weight_sync/check_s"] > 0 for r in records)
+    for step in range(steps):  # sync mode: every sample of step k generated under version k
+        versions = {v for g in read_parquet(out / f"dump_{step}.parquet") for s in g for v in s.weight_versions}
+        assert versions == {step}, (step, versions)
+    assert sorted(trained_groups(out, steps)) == list(range(steps * BATCH))
+
+
+_FLEET_SIZE = """
+import time
+rollout = ray.get_actor(sys.argv[2], namespace="reservoir")
+deadline = time.monotonic() + 120
+while len(ray.get(rollout.engine_urls.remote())) != int(sys.argv[3]) and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(len(ray.get(rollout.engine_urls.remote())))
+"""
+
+
+def held(proc: subprocess.Popen, holds: Path, name: str, timeout: float = 300) -> None:
+    """Until the run holds at ``name`` (``hold@...``, scripts/faults.py)."""
+    deadline = time.monotonic() + timeout
+    while not (holds / f"held_{name}").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-4000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow  # a node started and killed while the run goes on: a minute or more on 2 cores
+def test_a_node_that_joins_gets_an_engine_and_one_that_dies_loses_it_while_the_run_goes_on(toy_model_dir, tmp_path,
+                                                                                              cluster):
+    """``--rollout-fleet-autoscale`` (rollout_manager/autoscale.py): one engine at the start. The run
+    is held after push 1 (``hold@``, scripts/faults.py) while a node with room for one more engine
+    (``rollout: 1``) joins (``ray start --address``, as on a real cluster); the autoscaler adds an
+    engine there, which serves once a push gave it the current weights (every sample of step k is
+    generated under version k) and finishes requests of its own
+    (``rollout/engine_1_samples_per_s``). Held again after push 20, the node is SIGKILLed whole;
+    its engine leaves the fleet, and from push 21 the weight-update group, while the run goes on
+    to the end; every group trains once. The fast case of the same logic: tests/test_fleet_elastic.py."""
+    out, holds, steps, kill_at = tmp_path / "autoscale", tmp_path / "holds", 40, 20
+    holds.mkdir()
+    proc = launcher(toy_model_dir, out, cluster.address, steps, "--rollout-fleet-autoscale",
+                    "--rollout-fleet-max-engines", "2", "--health-check-interval", "0.5", engines=1,
+                    env={"RESERVOIR_CRASH_AT": f"hold@after_push:1,hold@after_push:{kill_at}",
+                         "RESERVOIR_HOLD_DIR": str(holds)})
+    manager = f"buf-{out.name}-rollout"
+    try:
+        held(proc, holds, "after_push_1")
+        cluster.start(JOINING_NODE, num_cpus=0, resources={"rollout": 1})
+        assert driver(cluster.address, _FLEET_SIZE, manager, "2").split()[-1] == "2"  # the autoscaler added one
+        (holds / "release_after_push_1").touch()
+        held(proc, holds, f"after_push_{kill_at}")
+        cluster.kill(JOINING_NODE)
+        assert driver(cluster.address, _FLEET_SIZE, manager, "1").split()[-1] == "1"  # and took it out
+        (holds / f"release_after_push_{kill_at}").touch()
+    finally:
+        cluster.kill(JOINING_NODE)
+    stdout = finish(proc)
+    assert proc.returncode == 0, stdout[-6000:]
+    records = train_records(out)
+    assert [r["step"] for r in records] == list(range(steps))
+    fleet = [int(r["rollout/num_engines"]) for r in records]
+    pushed = [int(r["weight_sync/engines"]) for r in records]
+    rates = [round(r.get("rollout/engine_1_samples_per_s", 0.0), 1) for r in records]
+    print(f"fleet per step: {fleet}; engines per push: {pushed}; engine 1's samples/s per step: {rates}")
+    expected = [1] * 2 + [2] * (kill_at - 1) + [1] * (steps - kill_at - 1)  # rollout k runs before push k
+    assert fleet == expected and pushed == expected, (fleet, pushed)
+    assert any(r > 0 for r in rates[3:kill_at + 1]), rates  # admitted once push 2 reached it, it served
+    assert all(r["weight_sync/check_s"] > 0 for r in records)  # every push left the engines the trainer's weights
     for step in range(steps):  # sync mode: every sample of step k generated under version k
         versions = {v for g in read_parquet(out / f"dump_{step}.parquet") for s in g for v in s.weight_versions}
         assert versions == {step}, (step, versions)

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from _fixtures_fleet import fleet_with_sender, versions_via_router, wait_event
 from _fixtures_rollout import make_args
 from rollout_manager.engines import EngineFleet
 from rollout_manager.router import Router
@@ -18,62 +19,30 @@ from sglang_protocol.client import EngineClient
 pytest.importorskip("sglang_router")
 
 
-async def _wait_event(fleet: EngineFleet, event: str, timeout: float = 120.0) -> None:
-    async def poll() -> None:
-        while event not in fleet.events:
-            await asyncio.sleep(0.05)
-    await asyncio.wait_for(poll(), timeout)
-
-
-async def _versions_via_router(router: Router, n: int) -> set[str]:
-    async with EngineClient(router.url, timeout=60) as c:
-        outs = await asyncio.gather(*(c.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
-                                      for _ in range(n)))
-    return {o["meta_info"]["weight_version"] for o in outs}
-
-
 def test_restarted_engine_stays_out_of_the_router_until_a_push_brings_it_to_the_current_version(
         toy_model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from weight_sync.interfaces import WeightSyncSettings
-    from weight_sync.sender import WeightSender
-
-    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
-    _, settings = make_args(["--hf-checkpoint", str(toy_model_dir), "--rollout-num-engines", "2",
-                             "--health-check-interval", "0.2", "--engine-extra-args", "--max-running-requests 8"])
-
     async def go() -> None:
-        router = Router.start(policy="round_robin", health_check_interval=1.0, log_path=tmp_path / "router.log")
-        fleet = EngineFleet(settings, router, tmp_path)
-        sender = WeightSender(WeightSyncSettings(transport="distributed", backend="gloo", timeout_s=20))
-        loop = asyncio.get_running_loop()
-        try:
-            await fleet.start()
-            await loop.run_in_executor(None, sender.connect, fleet.urls)
-            await loop.run_in_executor(None, sender.push, model.named_parameters(), 1)
-            assert await _versions_via_router(router, 4) == {"1"}
+        async with fleet_with_sender(toy_model_dir, tmp_path, engines=2) as rig:
+            fleet, router = rig.fleet, rig.router
+            await rig.push(1)
+            assert await versions_via_router(router, 4) == {"1"}
 
             fleet.kill(0)  # SIGKILL: it restarts from the checkpoint, i.e. version "default"
-            await _wait_event(fleet, "engine 0 awaiting weights v1")
+            await wait_event(fleet, "engine 0 awaiting weights v1")
             assert fleet.engines[0].version == 0 and not fleet.engines[0].registered
             assert [w["url"] for w in await router.list_workers()] == [fleet.engines[1].url]
-            assert await _versions_via_router(router, 6) == {"1"}  # no request reaches the stale engine
+            assert await versions_via_router(router, 6) == {"1"}  # no request reaches the stale engine
             rounds = fleet.rounds
             while fleet.rounds < rounds + 3:  # and it stays out while nothing is pushed
                 await asyncio.sleep(0.05)
             assert not fleet.engines[0].registered
 
-            out = await loop.run_in_executor(None, sender.push, model.named_parameters(), 2)
+            out = await rig.push(2)
             assert out["weight_sync/engines"] == 2  # the push reached the restarted engine too
-            await _wait_event(fleet, "engine 0 restarted")
+            await wait_event(fleet, "engine 0 restarted")
             assert sorted(w["url"] for w in await router.list_workers()) == sorted(fleet.urls)
-            assert await _versions_via_router(router, 6) == {"2"}
+            assert await versions_via_router(router, 6) == {"2"}
             assert fleet.engines[0].restarts == 1
-        finally:
-            await loop.run_in_executor(None, sender.close)
-            await fleet.stop()
-            router.stop()
     asyncio.run(go())
 
 
@@ -88,14 +57,14 @@ def test_a_dead_router_is_started_again_and_gets_its_engines_back(toy_model_dir,
         fleet = EngineFleet(settings, router, tmp_path)
         try:
             await fleet.start()
-            assert await _versions_via_router(router, 2) == {"default"}
+            assert await versions_via_router(router, 2) == {"default"}
             old_pid = router.process.pid
             router.process.kill()
-            await _wait_event(fleet, "router restarted")
-            await _wait_event(fleet, "engine 0 re-registered")
+            await wait_event(fleet, "router restarted")
+            await wait_event(fleet, "engine 0 re-registered")
             assert router.process.pid != old_pid and fleet.router_restarts == 1
             assert [w["url"] for w in await router.list_workers()] == fleet.urls
-            assert await _versions_via_router(router, 2) == {"default"}
+            assert await versions_via_router(router, 2) == {"default"}
         finally:
             await fleet.stop()
             router.stop()
@@ -139,19 +108,19 @@ def test_a_router_given_by_address_that_restarts_gets_the_engines_back(toy_model
         fleet = EngineFleet(settings, router, tmp_path)
         try:
             await fleet.start()
-            assert await _versions_via_router(router, 2) == {"default"}
+            assert await versions_via_router(router, 2) == {"default"}
             proc.kill()
             await asyncio.to_thread(proc.wait)
-            await _wait_event(fleet, "router down")
+            await wait_event(fleet, "router down")
             rounds = fleet.rounds
             while fleet.rounds < rounds + 3:  # still down: said once, the monitor keeps running
                 await asyncio.sleep(0.05)
             assert fleet.events.count("router down") == 1
             proc = users_router()
-            await _wait_event(fleet, "router back")
-            await _wait_event(fleet, "engine 0 re-registered")
+            await wait_event(fleet, "router back")
+            await wait_event(fleet, "engine 0 re-registered")
             assert [w["url"] for w in await router.list_workers()] == fleet.urls
-            assert await _versions_via_router(router, 2) == {"default"}
+            assert await versions_via_router(router, 2) == {"default"}
             assert fleet.router_restarts == 0  # its owner started it, not the fleet
         finally:
             await fleet.stop()

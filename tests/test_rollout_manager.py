@@ -32,6 +32,11 @@ def test_groups_token_in_token_out(toy_model_dir, dispatch, granularity):
     groups, metrics, prompts, inflight = asyncio.run(go())
     if dispatch == "direct":  # both engines were used, and every request was accounted for
         assert len(inflight) == 2 and all(v == 0 for v in inflight.values())
+    # per-engine throughput: each engine's samples of this step over the step's time, together all 32
+    rates = [metrics[f"rollout/engine_{i}_samples_per_s"] for i in (0, 1)]
+    assert sum(rates) * metrics["rollout/time_s"] == pytest.approx(32) and metrics["rollout/num_engines"] == 2
+    if dispatch == "direct":
+        assert all(r > 0 for r in rates)
     assert len(groups) == 8
     for g in groups:
         check_group(g, 4)

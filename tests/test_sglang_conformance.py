@@ -246,6 +246,9 @@ _DIFFERENTIAL = [
                            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False}}),
     ("POST", "/abort_request", {"rid": "nobody"}),
     ("GET", "/model_info", None), ("GET", "/get_weight_version", None),
+    ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4}),
+    ("POST", "/get_weights_by_name", {"name": "model.no_such.weight"}),
+    ("POST", "/get_weights_by_name", {"truncate_size": 4}),
 ]
 
 
@@ -266,6 +269,13 @@ def test_embedded_engine_answers_like_sglang(oracles, engine_url):
     assert sum(s // 100 == 2 for s in sglang) >= 6 and sum(s // 100 == 4 for s in sglang) >= 8, sglang
     differ = [(call[:2], call[2], s, o) for call, s, o in zip(_DIFFERENTIAL, sglang, ours) if s // 100 != o // 100]
     assert not differ, f"(call, body, SGLang's status, ours): {differ}"
+
+    async def read_back(url: str) -> list:  # the same shape of answer (the two serve different models)
+        async with EngineClient(url, timeout=60, admin_api_key=ADMIN_KEY) as c:
+            return await c.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4},
+                                   admin=True)
+    rows = [asyncio.run(read_back(u)) for u in (oracles["keyed"], engine_url)]
+    assert [len(r) for r in rows] == [4, 4] and all(isinstance(x, float) for r in rows for x in r), rows
 
 
 def test_prompt_log_probs_are_laid_out_as_sglangs_scheduler_lays_them_out(engine_url, engine_model):

@@ -155,3 +155,23 @@ def test_sglang_serving_dtype_follows_sglang(tmp_path):
             assert got == str(want).removeprefix("torch."), (args, cfg)
     assert sglang_serving_dtype([], str(tmp_path / "missing")) is None
     assert sglang_serving_dtype(["--dtype", "int8"], str(tmp_path / "0")) is None
+
+
+def test_embedded_engine_serves_in_sglangs_dtype_on_cuda():
+    """The embedded engine's ``--dtype auto`` on CUDA is SGLang's (a float32 checkpoint served as
+    float16, as the real server did on the GPU: bench/NOTES.md), compared with SGLang's own
+    ``_get_and_verify_dtype``; on the CPU it stays float32; a named dtype is served as named."""
+    from embedded_engine.settings import EngineSettings
+    from sglang_oracle import import_sglang
+
+    import_sglang()
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    configs = [{"torch_dtype": "float32", "model_type": "llama"}, {"dtype": "bfloat16", "model_type": "qwen2"},
+               {"torch_dtype": "float16"}, {"model_type": "llama"}, {"torch_dtype": "float32", "model_type": "gemma2"}]
+    cuda = EngineSettings(model_path="m", device="cuda")
+    for cfg in configs:
+        assert cuda.torch_dtype_name(cfg) == str(_get_and_verify_dtype(cfg, "auto")).removeprefix("torch."), cfg
+        assert EngineSettings(model_path="m").torch_dtype_name(cfg) == "float32"
+        assert EngineSettings(model_path="m", device="cuda", dtype="bfloat16").torch_dtype_name(cfg) == "bfloat16"
+

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from flags import flag, flag_of
 from metric_keys import WEIGHT_GATHER_TIME, WEIGHT_PUSH_RANK_TIME
+from ray_cluster.placement import reserve_placement_group
 from train_backend.interfaces import TrainSettings, create_backend
 from train_backend.lora import LoraSettings
 from train_backend.megatron.arguments import MegatronSettings
@@ -334,7 +335,6 @@ class TrainerGroup:
     def __init__(self, train: TrainSettings, megatron: "MegatronSettings | None" = None,
                  group: TrainerGroupSettings | None = None) -> None:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
@@ -349,16 +349,10 @@ class TrainerGroup:
             options = _colocated_options(self.world_size, train.device == "cuda")
         elif self.settings.uses_gpus(train):
             bundle = {"GPU": 1, "CPU": 1}
-            self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-            try:
-                ray.get(self.pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                remove_placement_group(self.pg)
-                raise RuntimeError(
-                    f"could not place {self.world_size} trainer rank(s) of {bundle} (--actor-num-nodes "
-                    f"{self.settings.actor_num_nodes} x --actor-num-gpus-per-node "
-                    f"{self.settings.actor_num_gpus_per_node}) within {_PLACEMENT_TIMEOUT_S:.0f}s; "
-                    f"cluster resources: {ray.cluster_resources()}") from None
+            self.pg = reserve_placement_group(
+                [bundle] * self.world_size, "PACK", _PLACEMENT_TIMEOUT_S,
+                f"{self.world_size} trainer rank(s) of {bundle} (--actor-num-nodes {self.settings.actor_num_nodes} x "
+                f"--actor-num-gpus-per-node {self.settings.actor_num_gpus_per_node})")
             options = [{"num_cpus": 1, "num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i)} for i in range(self.world_size)]
         elif self.settings.actor_num_nodes > 1:  # CPU ranks: --actor-num-nodes distinct nodes, one bundle each
@@ -477,21 +471,14 @@ def _spread_cpu_ranks(settings: TrainerGroupSettings) -> Any:
     take no Ray resources (module docstring), so this only decides where they run; a node started
     with ``--num-cpus 0`` takes none of them."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
     nodes, flag = settings.actor_num_nodes, flag_of(TrainerGroupSettings, "actor_num_nodes")
     with_cpus = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
     if with_cpus < nodes:  # nothing on a CPU cluster adds nodes while we wait: say so now
         raise RuntimeError(f"{flag} {nodes} puts the CPU trainer ranks on {nodes} distinct nodes; the Ray cluster "
                            f"has {with_cpus} node(s) with CPUs (ray start --address ... on more nodes, or {flag} 1)")
-    pg = placement_group([{"CPU": 0.01} for _ in range(nodes)], strategy="STRICT_SPREAD")
-    try:
-        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise RuntimeError(f"could not place the CPU trainer ranks on {flag} {nodes} distinct nodes within "
-                           f"{_PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: {ray.cluster_resources()}") from None
-    return pg
+    return reserve_placement_group([{"CPU": 0.01}] * nodes, "STRICT_SPREAD", _PLACEMENT_TIMEOUT_S,
+                                   f"the CPU trainer ranks on {flag} {nodes} distinct nodes")
 
 
 def _colocated_options(world_size: int, cuda: bool) -> list[dict[str, Any]]:

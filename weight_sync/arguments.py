@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from flags import add_flags, from_args, section
+from sglang_protocol.dtype import serving_dtype
 from weight_sync.interfaces import WeightSyncSettings
 
 POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
@@ -127,11 +128,6 @@ def resolve_transport(transport: str, backend: str, where: Placement) -> tuple[s
     return transport, backend
 
 
-# SGLang's dtype names (srt/configs/model_config.py, _STR_DTYPE_TO_TORCH_DTYPE)
-_SGLANG_DTYPES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32",
-                  "bfloat16": "bfloat16"}
-
-
 def sglang_serving_dtype(server_args: list[str], model_path: str | None) -> str | None:
     """The dtype an SGLang server started with ``server_args`` (the ``--sglang-*`` pass-through,
     as SGLang tokens) serves ``model_path`` in, by SGLang's own rule (``_get_and_verify_dtype`` in
@@ -144,16 +140,10 @@ def sglang_serving_dtype(server_args: list[str], model_path: str | None) -> str 
             dtype = server_args[i + 1]
         elif tok.startswith("--dtype="):
             dtype = tok.split("=", 1)[1]
-    dtype = dtype.lower()
-    if dtype != "auto":
-        return _SGLANG_DTYPES.get(dtype)
-    try:
-        config = json.loads((Path(model_path or "") / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config_dtype = _SGLANG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"))
-    if config_dtype is None:
-        return None
-    if config_dtype == "float32":
-        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
-    return config_dtype
+    config = None
+    if dtype.lower() == "auto":
+        try:
+            config = json.loads((Path(model_path or "") / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    return serving_dtype(dtype, config)
