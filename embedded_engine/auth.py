@@ -25,7 +25,9 @@ ADMIN_OPTIONAL = frozenset({
     "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
     "/init_weights_update_group", "/begin_weight_update", "/end_weight_update",
     "/update_weights_from_distributed", "/update_weights_from_tensor", "/destroy_weights_update_group",
-    "/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation"})
+    "/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation",
+    "/get_weights_by_name", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+    "/update_weight_version"})
 _ALWAYS_OPEN = ("/health", "/ready", "/metrics")
 
 
