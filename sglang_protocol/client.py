@@ -6,7 +6,9 @@ The same code talks to real SGLang servers, to the embedded engine and to sglang
 Supported servers: SGLang 0.5.15 (slime's base) to 0.5.23. Where they differ the client follows
 the newer one and falls back on a 404: the weight-update session (``/begin_weight_update``,
 ``/end_weight_update``, 0.5.22+) and the weight version (``/model_info``; ``/get_weight_version``
-before 0.5.22).
+before 0.5.22). Where a route is the same but its body differs, the sender picks the body by the
+release the server reports (:meth:`EngineClient.sglang_release`): the LoRA load from tensors
+(``sglang_protocol/lora_adapter.py``).
 It is built on aiohttp: under high concurrency it sustains several thousand requests/s on two
 cores, where httpx manages a few hundred (ENVIRONMENT.md, bench/rollout).
 """
@@ -14,6 +16,7 @@ cores, where httpx manages a few hundred (ENVIRONMENT.md, bench/rollout).
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import aiohttp
@@ -51,6 +54,8 @@ class EngineClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._headers = _auth(api_key)
         self._admin_headers = _auth(admin_api_key or api_key)
+        self._release: tuple[int, int, int] | None = None
+        self._release_read = False  # the release is read once (a server does not change it)
 
     async def close(self) -> None:
         """Close the HTTP session if this client owns it (a shared ``session`` stays open)."""
@@ -276,6 +281,22 @@ class EngineClient:
         """GET /server_info: the server's launch arguments and live scheduler state."""
         return await self.request("GET", "/server_info")
 
+    async def sglang_release(self) -> tuple[int, int, int] | None:
+        """The SGLang release the server runs, ``(major, minor, patch)`` of ``/server_info``'s
+        ``version`` (``0.5.15.post1`` -> ``(0, 5, 15)``), read once per client; None where that
+        is no SGLang version (the embedded engine, which speaks the newest supported release) or
+        the server has no ``/server_info``. EngineError on any other failure."""
+        if not self._release_read:
+            try:
+                info = await self.server_info()
+            except EngineError as e:
+                if e.status != 404:
+                    raise
+                info = {}
+            version = info.get("version") if isinstance(info, dict) else None
+            self._release, self._release_read = parse_release(version), True
+        return self._release
+
     async def gpu_count(self) -> int:
         """The GPUs (ranks in a weight-update group) the server runs on: ``/server_info``'s
         ``tp_size`` x ``pp_size`` (a missing field counts as 1: the embedded engine)."""
@@ -313,6 +334,13 @@ def batch_rids(rid: str, n: int) -> list[str]:
     ``f"{rid}_10"``... (the embedded and instant engines match exactly). The rollout only aborts
     whole steps' requests, so this never hits an element that should keep running."""
     return [f"{rid}_{i}" for i in range(n)]
+
+
+def parse_release(version: Any) -> tuple[int, int, int] | None:
+    """``(major, minor, patch)`` of an SGLang version string (``"0.5.15.post1"``, ``"0.5.23"``,
+    ``"0.5.24rc0"``); None for anything else."""
+    m = re.match(r"v?(\d+)\.(\d+)\.(\d+)(?!\d)", str(version or "").strip())
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
 def new_session(limit: int = 0) -> aiohttp.ClientSession:

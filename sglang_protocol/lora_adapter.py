@@ -9,8 +9,23 @@ directory): ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, 
 (peft's ``scaling``; rsLoRA's ``lora_alpha / sqrt(r)`` when ``use_rslora``).
 
 A ``/generate`` request names its adapter with ``lora_path`` = the adapter's ``lora_name``
-(SGLang 0.5.23's ``LoRARegistry`` looks it up by name); :data:`POLICY_ADAPTER` is the name the
-trainer's adapter is served under.
+(SGLang's ``LoRARegistry`` looks it up by name, 0.5.15.post1 to 0.5.23); :data:`POLICY_ADAPTER` is
+the name the trainer's adapter is served under.
+
+The routes ``/load_lora_adapter`` ``{lora_name, lora_path}``, ``/unload_lora_adapter``
+``{lora_name}`` and ``/update_weight_version`` are the same from 0.5.15.post1 to 0.5.23;
+``/load_lora_adapter_from_tensors`` is not, and :func:`tensors_load_request` writes its body for the
+release an engine reports (``io_struct.LoadLoRAAdapterFromTensorsReqInput`` of each):
+
+- 0.5.15(.post1): ``serialized_tensors``, one base64 ForkingPickler payload (a str) that every TP
+  rank deserializes; no ``expected_checksums`` (an unknown field is dropped, so nothing is checked);
+- 0.5.16: the same, plus ``expected_checksums`` ``{name: sha256 of the raw bytes}``;
+- 0.5.17+: ``serialized_named_tensors``, a list with one payload per TP rank (each rank reads its own);
+- before 0.5.22 the route has no ``@auth_level``, so it is a NORMAL endpoint: with ``--api-key`` it
+  takes the API key, never the admin key; from 0.5.22 it is ADMIN_OPTIONAL like the other LoRA routes.
+
+The payload is the same in all: ``{peft tensor name: tensor}`` pickled (``tensor_update.serialize``),
+with ``config_dict`` the ``adapter_config.json`` object.
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +42,39 @@ POLICY_ADAPTER = "policy"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+
+
+#: The first releases with each change of ``/load_lora_adapter_from_tensors`` (module docstring).
+CHECKSUMS_SINCE = (0, 5, 16)
+PER_RANK_SINCE = (0, 5, 17)
+ADMIN_ROUTE_SINCE = (0, 5, 22)
+
+
+class TensorsLoad(NamedTuple):
+    """One ``/load_lora_adapter_from_tensors`` request: its JSON ``body``, and whether it is an
+    admin call (sends the admin key) or a NORMAL one (the API key)."""
+
+    body: dict[str, Any]
+    admin: bool
+
+
+def tensors_load_request(release: tuple[int, int, int] | None, lora_name: str, config: dict, payload: str,
+                         tp_size: int, checksums: dict[str, str] | None = None) -> TensorsLoad:
+    """The ``/load_lora_adapter_from_tensors`` request for an engine running SGLang ``release``
+    (``EngineClient.sglang_release``; None: the newest form, the embedded engine's). ``payload``:
+    the serialized ``{name: tensor}`` dict; ``checksums``: ``expected_checksums``, ValueError where
+    the release cannot check them (before 0.5.16)."""
+    body: dict[str, Any] = {"lora_name": lora_name, "config_dict": config}
+    if release is None or release >= PER_RANK_SINCE:
+        body["serialized_named_tensors"] = [payload] * tp_size
+    else:
+        body["serialized_tensors"] = payload
+    if checksums is not None:
+        if release is not None and release < CHECKSUMS_SINCE:
+            raise ValueError(f"expected_checksums: SGLang {'.'.join(map(str, release))} does not check a LoRA "
+                             f"adapter it loads from tensors ({'.'.join(map(str, CHECKSUMS_SINCE))}+ does)")
+        body["expected_checksums"] = checksums
+    return TensorsLoad(body, release is None or release >= ADMIN_ROUTE_SINCE)
 
 
 def peft_config(rank: int, alpha: float, target_modules: list[str] | str, base_model: str | None = None) -> dict:

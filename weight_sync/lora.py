@@ -13,12 +13,16 @@ A push of version v (:meth:`weight_sync.sender.WeightSender.push_adapter`):
    afterwards reports v;
 5. with ``--check-weight-update-equal``: the adapter each engine holds, read back
    (``/lora_adapter_checksum``, the embedded engine's), compared with the trainer's byte for byte
-   (a load from tensors also carries SGLang's ``expected_checksums``, which the engine checks as it loads);
+   (a load from tensors also carries SGLang's ``expected_checksums``, which the engine checks as it
+   loads; SGLang 0.5.15 has none: the push stops before pausing, naming the flag);
 6. ``/continue_generation``. Older versions' directories beyond ``--update-weight-disk-keep`` go.
 
 With the ``tensor`` transport (colocated, ``--colocate``) step 1 writes no file: step 3 loads with
 SGLang's ``/load_lora_adapter_from_tensors`` ``{lora_name, config_dict, serialized_named_tensors}``,
-handles to a copy of the adapter (CUDA IPC on GPUs, shared memory on the CPU), one per TP rank.
+handles to a copy of the adapter (CUDA IPC on GPUs, shared memory on the CPU), one per TP rank
+(SGLang before 0.5.17 takes one ``serialized_tensors`` instead, and checks no checksums before
+0.5.16: the body follows the release each engine's ``/server_info`` reports,
+``sglang_protocol/lora_adapter.py``).
 The disk route is the one that also works across hosts. A failed attempt is redone without the
 engines that stopped answering (``--update-weight-retries``); a dead engine that answers again gets
 the adapter at the next push (a restarted one has none: the fleet keeps it out of the router until a
@@ -38,7 +42,7 @@ import torch
 
 from sglang_protocol.buckets import tensor_checksum
 from sglang_protocol.client import EngineError
-from sglang_protocol.lora_adapter import POLICY_ADAPTER, write_adapter
+from sglang_protocol.lora_adapter import POLICY_ADAPTER, tensors_load_request, write_adapter
 from weight_sync.engines import EngineState, call_all
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.link import PushFailed
@@ -102,20 +106,30 @@ class AdapterPush:
         if by_tensors:
             from sglang_protocol.tensor_update import serialize
 
+            # the body differs between SGLang releases (sglang_protocol/lora_adapter.py): ask each engine's
+            releases = await call_all(members, lambda c: c.sglang_release(), "server_info")
             copies = {n: t.detach().clone() for n, t in tensors.items()}  # alive until every engine copied them
             nbytes = sum(t.numel() * t.element_size() for t in copies.values())
             blob = await loop.run_in_executor(None, serialize, copies)  # SGLang reads a {name: tensor} dict
-            route, body = "/load_lora_adapter_from_tensors", {"lora_name": POLICY_ADAPTER, "config_dict": config}
-            if s.check_equal:  # SGLang (and the embedded engine) verify every tensor as they load it
-                body["expected_checksums"] = await loop.run_in_executor(None, _checksums, tensors)
+            # SGLang 0.5.16+ (and the embedded engine) verify every tensor as they load it
+            sums = await loop.run_in_executor(None, _checksums, tensors) if s.check_equal else None
+            try:
+                requests = {e.url: tensors_load_request(r, POLICY_ADAPTER, config, blob, e.gpus, sums)
+                            for e, r in zip(members, releases)}
+            except ValueError as err:
+                raise ValueError(f"--check-weight-update-equal with --lora-rank and the tensor transport: {err}; "
+                                 "drop the flag or run SGLang 0.5.16+") from None
         else:
             path = os.path.abspath(os.path.join(self.dir, f"v{version}"))
             nbytes = await loop.run_in_executor(None, write_adapter, path, config, tensors)
-            route, body = "/load_lora_adapter", {"lora_name": POLICY_ADAPTER, "lora_path": path}
+            body = {"lora_name": POLICY_ADAPTER, "lora_path": path}
 
         async def load(e: EngineState) -> dict:
-            per_rank = {"serialized_named_tensors": [blob] * e.gpus} if by_tensors else {}  # one copy per TP rank
-            return await e.client.request("POST", route, {**body, **per_rank}, timeout=s.timeout_s, admin=True)
+            if by_tensors:
+                r = requests[e.url]
+                return await e.client.request("POST", "/load_lora_adapter_from_tensors", r.body, timeout=s.timeout_s,
+                                              admin=r.admin)
+            return await e.client.request("POST", "/load_lora_adapter", body, timeout=s.timeout_s, admin=True)
         written = time.perf_counter()
         t_pause = time.perf_counter()
         await call_all(members, lambda c: c.pause_generation(s.pause_mode), "pause_generation")
