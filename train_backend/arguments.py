@@ -49,7 +49,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         raise ValueError(f"{flag_of(LoraSettings, 'rank')} {lora.rank}: LoRA is built on the torch backend only; "
                          f"{flag_of(TrainSettings, 'backend')} megatron refuses it (use torch)")
     return from_args(TrainSettings, args, loss_agg_norm_length=norm_length, plugin_args=plugin_namespace(args),
-                     lora=lora)
+                     lora=lora if lora.enabled else None)  # None: off, as TrainSettings() says
 
 
 def use_tis_by_default(args: argparse.Namespace) -> bool:
