@@ -106,6 +106,13 @@ class Engine:
         except ValueError as e:
             raise ProtocolError("body", f"malformed JSON: {e}") from e
 
+    async def _object(self, request: web.Request) -> dict:
+        """The body as a JSON object (an empty body: ``{}``); ``ProtocolError`` otherwise."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise ProtocolError("body", "expected a JSON object")
+        return body
+
     # --- generation ---------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         """``/generate``: one prompt, or SGLang's batch form (one scheduler request per element;
@@ -214,11 +221,9 @@ class Engine:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self._object(request)
         except ProtocolError as e:
             return _bad(str(e))
-        if not isinstance(body, dict):
-            return _bad("body: expected a JSON object")
         rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
         if not isinstance(abort_all, bool) or not isinstance(rid, str):
             return _bad("rid/abort_all: expected a string rid and a boolean abort_all")
@@ -323,11 +328,10 @@ class Engine:
         parameter's leading rows as float32 lists (HF names; SGLang's own layout may differ: its
         stacked projections and padded vocabulary); a name not held: 400, as SGLang answers."""
         try:
-            body = await self._body(request)
+            body = await self._object(request)
         except ProtocolError as e:
             return _bad(str(e))
-        name = body.get("name") if isinstance(body, dict) else None
-        count = body.get("truncate_size", 100) if isinstance(body, dict) else None
+        name, count = body.get("name"), body.get("truncate_size", 100)
         if not isinstance(name, str) or isinstance(count, bool) or not isinstance(count, int):
             return _bad("body: needs a string 'name' and an integer 'truncate_size'")
         rows = await self.weights.leading_rows(name, count)
@@ -350,10 +354,7 @@ class Engine:
     def _weights(self, fn: Callable[[dict], Awaitable[str]]) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             try:
-                body = await self._body(request)
-                if not isinstance(body, dict):
-                    raise ProtocolError("body", "expected a JSON object")
-                message = await fn(body)
+                message = await fn(await self._object(request))
             except (ValueError, KeyError, TypeError) as e:  # WeightUpdateError, ProtocolError, missing fields
                 msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                 return _json({"success": False, "message": msg}, 400)
@@ -437,10 +438,7 @@ class Engine:
         """SGLang's answer to a LoRA route: ``{success, error_message, loaded_adapters}``, 400 on failure."""
         async def handler(request: web.Request) -> web.Response:
             try:
-                body = await self._body(request)
-                if not isinstance(body, dict):
-                    raise ProtocolError("body", "expected a JSON object")
-                await fn(body)
+                await fn(await self._object(request))
             except (ValueError, KeyError, TypeError) as e:  # LoraError, ProtocolError, missing fields
                 msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                 return _json({"success": False, "error_message": msg, "loaded_adapters": self.lora.loaded()}, 400)

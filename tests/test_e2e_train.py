@@ -11,23 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _fixtures_launcher import launcher_cmd, run_until_it_kills_itself
 from buffer.arrow import read_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_cmd(model: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "examples/toy/grpo_cpu.yaml"),
-            "--hf-checkpoint", str(model), "--prompt-data", str(model / "data/train.jsonl"),
-            "--eval-prompt-data", str(model / "data/eval.jsonl"), "--output-dir", str(out),
-            "--no-build-toy-model", "--no-plots", "--buffer-name", f"buf-{out.name}", *extra]
+    return launcher_cmd(ROOT / "examples/toy/grpo_cpu.yaml", model, out, *extra)
 
 
 def run_train(model: Path, out: Path, *extra: str, timeout: float = 400, crash_at: str = "") -> list[dict]:
@@ -151,18 +147,8 @@ def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
     n_steps, batch = 8, 16
     extra = ["--num-rollout", str(n_steps), "--save", str(ckpt), "--save-interval", "2", "--max-weight-staleness", "0",
              "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"), "--rollout-batch-size", str(batch)]
-    # the driver SIGKILLs itself right after step 5 took its batch (scripts/faults.py);
-    # then the rest of the job (Ray, engines, router) is killed with its process group
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="after_get:5")
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(train_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, stdout=log, stderr=log,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=300)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-4000:]
+    # the driver SIGKILLs itself right after step 5 took its batch (scripts/faults.py)
+    run_until_it_kills_itself(train_cmd(warm_toy, out, *extra), tmp_path / "first.log", "after_get:5")
     assert json.loads((ckpt / "latest.json").read_text())["step"] == 3
     records = run_train(warm_toy, out, *extra, "--load", str(ckpt), crash_at="buffer@after_train:6")
     assert "SIGKILL buffer at after_train of step 6" in (out / "launcher.log").read_text()

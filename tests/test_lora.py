@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from _fixtures_engine import engine_model  # noqa: F401
+from _fixtures_launcher import launcher_cmd, run_until_it_kills_itself
 from flags import from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,10 +21,7 @@ CONFIG = ROOT / "examples/toy/grpo_lora_cpu.yaml"
 
 
 def lora_cmd(model: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG),
-            "--hf-checkpoint", str(model), "--prompt-data", str(model / "data/train.jsonl"),
-            "--eval-prompt-data", str(model / "data/eval.jsonl"), "--output-dir", str(out),
-            "--no-build-toy-model", "--no-plots", "--buffer-name", f"buf-{out.name}", *extra]
+    return launcher_cmd(CONFIG, model, out, *extra)
 
 
 def test_toy_task_learns_with_lora_and_adapter_only_pushes(warm_toy, tmp_path):
@@ -73,16 +69,7 @@ def test_sigkill_and_resume_with_lora_trains_every_group_once_on_the_restored_ad
     n_steps, batch = 8, 16
     extra = ["--num-rollout", str(n_steps), "--save", str(ckpt), "--save-interval", "2",
              "--save-debug-rollout-data", str(out / "dump_{rollout_id}.parquet"), "--rollout-batch-size", str(batch)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RESERVOIR_CRASH_AT="after_get:5")
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(lora_cmd(warm_toy, out, *extra), cwd=ROOT, env=env, stdout=log, stderr=log,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=300)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-4000:]
+    run_until_it_kills_itself(lora_cmd(warm_toy, out, *extra), tmp_path / "first.log", "after_get:5")
     assert json.loads((ckpt / "latest.json").read_text())["step"] == 3
     assert list(ckpt.rglob("adapter_model.safetensors"))
     proc = subprocess.run(lora_cmd(warm_toy, out, *extra, "--load", str(ckpt)), cwd=ROOT,
