@@ -4,7 +4,8 @@ For ``--agent-env`` (``rollout_manager/agent.py``)::
 
     --agent-env plugins.python_env.make_env                 # the run's --rm-type scores the episode
     --agent-env plugins.python_env.make_answer_env          # reward 1.0 when the final reply is the label
-    --agent-env plugins.python_env.make_bare_answer_env     # the same without a system prompt
+    --agent-env plugins.python_env.make_number_answer_env   # reward 1.0 when its final number is the label
+    --agent-env plugins.python_env.make_bare_answer_env     # make_answer_env without a system prompt
     --agent-env plugins.python_env.make_toy_tool_env        # the toy tool task's (the question as the variable q)
 
 Each model turn that contains code (the last ```` ```python ```` fenced block, or ``<code>...</code>``)
@@ -22,6 +23,7 @@ import ast
 import re
 from typing import Any, Callable
 
+from plugins.math_answers import answers_match, extract_answer
 from plugins.python_sandbox import PythonSandbox, SandboxLimits
 
 __all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
@@ -67,15 +69,18 @@ class PythonToolEnv:
     the sandboxed Python interpreter.
 
     ``system_prompt``: the first message (None: none; the sample's prompt follows as the user's
-    message); ``answer_reward``: reward the final reply 1.0 when it equals ``sample.label`` (after
-    stripping), else 0.0 (False: no reward from the environment, the run's reward scores it);
+    message); ``answer_reward``: reward the final reply 1.0 when ``answer_matches(reply, label)``
+    (default: equal after stripping), else 0.0 (False: no reward from the environment, the run's
+    reward scores it; tool turns then score 0.0);
     ``limits`` / ``max_concurrency``: the sandbox's; ``preamble(sample)``: code run before the
     model's in the same interpreter, unseen by the model (the task's inputs as variables)."""
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, answer_reward: bool = False,
                  limits: SandboxLimits | None = None, max_concurrency: int = 4, max_output_chars: int = 512,
-                 preamble: Callable[[Any], str] | None = None):
+                 preamble: Callable[[Any], str] | None = None,
+                 answer_matches: Callable[[str, str], bool] = lambda reply, label: reply.strip() == label.strip()):
         self.system_prompt = system_prompt
+        self.answer_matches = answer_matches
         self.preamble = preamble
         self.answer_reward = answer_reward
         self.sandbox = PythonSandbox(limits, max_concurrency=max_concurrency)
@@ -95,7 +100,7 @@ class PythonToolEnv:
         if code is None:
             reward = None
             if self.answer_reward:
-                reward = 1.0 if sample.label is not None and reply.strip() == str(sample.label).strip() else 0.0
+                reward = 1.0 if sample.label is not None and self.answer_matches(reply, str(sample.label)) else 0.0
             return [], True, reward, {"tool_calls": 0}
         cell = as_cell(code)
         if self.preamble is not None:
@@ -110,7 +115,9 @@ class PythonToolEnv:
             text = lines[-1] if lines else f"error: exit code {result.exit_code}"
         text = text.strip()[:self.max_output_chars]
         info = {"tool_calls": 1, "tool_errors": 0 if result.ok else 1, "tool_time_s": [result.wall_s]}
-        return [{"role": "tool", "content": text}], False, None, info
+        # with answer_reward the episode's reward is the environment's alone: a tool turn scores 0, so an
+        # episode cut off after a tool call is not scored by the run's rule (which could read the tool's output)
+        return [{"role": "tool", "content": text}], False, 0.0 if self.answer_reward else None, info
 
 
 def make_env(args: Any) -> PythonToolEnv:
@@ -121,6 +128,13 @@ def make_env(args: Any) -> PythonToolEnv:
 def make_answer_env(args: Any) -> PythonToolEnv:
     """``--agent-env`` factory: the Python tool; the final reply is rewarded against the label."""
     return PythonToolEnv(answer_reward=True)
+
+
+def make_number_answer_env(args: Any) -> PythonToolEnv:
+    """``--agent-env`` factory: the Python tool; the final reply is rewarded when its final answer
+    (its last ``\\boxed{}`` or last number, ``--rm-type math``'s rule) equals the label, so
+    ``"The answer is 28454."`` counts. The SmolLM2 tool task (``examples/gpu/agent_smollm2_python_tool.yaml``)."""
+    return PythonToolEnv(answer_reward=True, answer_matches=lambda reply, label: answers_match(extract_answer(reply), label))
 
 
 def make_bare_answer_env(args: Any) -> PythonToolEnv:

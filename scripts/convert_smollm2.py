@@ -6,7 +6,10 @@ checkpoint, and write an arithmetic task for it. Fully offline.
 Writes ``DIR/`` (safetensors weights, config, generation config, tokenizer files with the chat
 template; ``AutoModelForCausalLM``/``AutoTokenizer`` load it without the ``gguf`` package) and
 ``DIR/data/{train,eval}.jsonl`` with ``{"prompt", "label"}`` rows, e.g.
-``{"prompt": "What is 23 + 45? Answer with just the number.", "label": "68"}``.
+``{"prompt": "What is 23 + 45? Answer with just the number.", "label": "68"}``, and the tool task's
+``DIR/data/tool_{train,eval}.jsonl`` (``{"prompt": "What is 347 * 82? Use Python.", "label": "28454"}``:
+three-digit times two-digit products, which the model gets wrong in its head; for
+``examples/gpu/agent_smollm2_python_tool.yaml``).
 
 The GGUF weights are 4-bit (Q4_1); transformers de-quantizes them to float32 on load, and that is
 what is saved (``--dtype float32``, the default, keeps those values exactly). Needs the ``gguf``
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from scripts.make_toy_model import make_task, write_task  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is {a} + {b}? Answer with just the number."
+TOOL_QUESTION = "What is {a} * {b}? Use Python."
 # Strings whose token ids must be the same through the GGUF tokenizer and the saved one.
 CHECK_STRINGS = ["What is 23 + 45? Answer with just the number.", "The answer is 68.",
                  "  12+7=19\n\nok", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
@@ -109,6 +114,19 @@ def check(out: Path, src_tok) -> None:
         raise RuntimeError(f"unexpected tokenizer: eos {tok.eos_token!r}, {len(tok)} tokens")
 
 
+def make_tool_rows(n: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+    """``n`` distinct products a * b, a in [100, 1000), b in [10, 100), none of whose prompts is in
+    ``exclude``: the tool task's questions."""
+    rng, rows, seen = random.Random(seed), [], set(exclude)
+    while len(rows) < n:
+        a, b = rng.randrange(100, 1000), rng.randrange(10, 100)
+        prompt = TOOL_QUESTION.format(a=a, b=b)
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append({"prompt": prompt, "label": str(a * b)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, type=Path, help="output directory (HF checkpoint + data/)")
@@ -134,7 +152,11 @@ def main(argv: list[str] | None = None) -> Path:
     train = [r for r in make_rows(2 * args.num_train, args.min_operand, args.max_operand, args.seed + 1)
              if r["prompt"] not in held_out][:args.num_train]
     write_task(args.out, train, evals)
-    print(f"wrote {args.out}/data: {len(train)} train, {len(evals)} eval prompts")
+    tool_evals = make_tool_rows(args.num_eval, args.seed + 4)
+    tool_train = make_tool_rows(args.num_train, args.seed + 3, {r["prompt"] for r in tool_evals})
+    write_task(args.out, tool_train, tool_evals, prefix="tool_")
+    print(f"wrote {args.out}/data: {len(train)} train, {len(evals)} eval prompts (and the tool task's "
+          f"{len(tool_train)}, {len(tool_evals)})")
     return args.out
 
 

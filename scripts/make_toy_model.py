@@ -97,11 +97,11 @@ def tool_transcript(prompt: str, label: str, use_tool: bool) -> list[dict]:
     return messages + [{"role": "assistant", "content": label}]
 
 
-def write_task(out: Path, train: list[dict], evals: list[dict]) -> None:
-    """Write the task as ``out/data/{train,eval}.jsonl`` (one ``{"prompt", "label"}`` row a line)."""
+def write_task(out: Path, train: list[dict], evals: list[dict], prefix: str = "") -> None:
+    """Write the task as ``out/data/{prefix}{train,eval}.jsonl`` (one ``{"prompt", "label"}`` row a line)."""
     (out / "data").mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("eval", evals)):
-        with open(out / "data" / f"{name}.jsonl", "w") as f:
+        with open(out / "data" / f"{prefix}{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 

@@ -10,7 +10,7 @@ from _fixtures_rollout import running_manager, toy_argv
 from transformers import AutoTokenizer
 
 from buffer.sample import Sample, Status
-from plugins.python_env import PYTHON_TOOL, PythonToolEnv, as_cell, extract_code
+from plugins.python_env import PYTHON_TOOL, PythonToolEnv, as_cell, extract_code, make_env, make_number_answer_env
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks
 
 
@@ -36,11 +36,26 @@ def test_step_runs_code_and_ends_on_an_answer():
     messages, tools, ran, failed, right, wrong = asyncio.run(go())
     assert [m["role"] for m in messages] == ["system", "user"] and messages[1]["content"] == "37*48="
     assert tools == [PYTHON_TOOL]
-    assert ran[:3] == ([{"role": "tool", "content": "1776"}], False, None)
+    assert ran[:3] == ([{"role": "tool", "content": "1776"}], False, 0.0)  # the environment's reward alone
     assert ran[3]["tool_calls"] == 1 and ran[3]["tool_errors"] == 0 and ran[3]["tool_time_s"][0] > 0
     assert failed[0] == [{"role": "tool", "content": "ZeroDivisionError: division by zero"}]
     assert failed[3]["tool_errors"] == 1
     assert right[:3] == ([], True, 1.0) and wrong[:3] == ([], True, 0.0)
+
+
+def test_number_answer_env_reads_the_final_number_and_plain_env_leaves_the_reward():
+    """make_number_answer_env (the SmolLM2 tool task's): the reply's last number against the label;
+    make_env gives no reward of its own, tool turns included (the run's --rm-type scores the episode)."""
+    sample = Sample(prompt="What is 341 * 48? Use Python.", label="16368")
+    env, plain = make_number_answer_env(None), make_env(None)
+
+    async def go():
+        return ([(await env.step(sample, r))[2] for r in ("The answer is 16368.", "16368", "16,368", "1636",
+                                                            "no idea", "```python\n341 * 48\n```")],
+                [(await plain.step(sample, r))[2] for r in ("16368", "```python\n341 * 48\n```")])
+    number, plain_rewards = asyncio.run(go())
+    assert number == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert plain_rewards == [None, None]
 
 
 def test_episode_with_the_python_tool(toy_model_dir):
