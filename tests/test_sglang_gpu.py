@@ -10,6 +10,8 @@ the GPU machine, driven by Reservoir's own code. Not in CPU CI (marker ``sglang`
 - ``WeightSender.connect`` without GPU counts reads them from ``/server_info``;
 - delta pushes (``--update-weight-mode delta``, both encodings) through SGLang's own disk loader
   land exactly;
+- LoRA adapter pushes (``--lora-rank``, CUDA IPC and from disk): SGLang serves the trainer's adapter
+  (its log-probs read back against peft's);
 - KV cache release and resume around a training step (``EngineMemory``): the GPU's free memory
   grows and shrinks by the cache, generation works after;
 - the launcher colocated with the torch trainer (CUDA graphs on, ``--sglang-*`` passed through,
@@ -192,6 +194,94 @@ def test_delta_push_lands_exactly_through_sglangs_own_loader(server, toy, tmp_pa
     assert _read_back_equal(server, named, torch.bfloat16) == []
     print(f"delta {encoding}: {m['weight_sync/bytes']} -> {m['weight_sync/sent_bytes']} bytes, "
           f"{m['weight_sync/time_s']:.3f} s (full {first['weight_sync/time_s']:.3f} s)")
+
+
+@pytest.fixture(scope="module")
+def lora_server(toy, tmp_path_factory):
+    """One SGLang server on the toy model serving LoRA adapters (``--enable-lora``, rank up to 8, every
+    linear layer), bf16, CUDA graphs off."""
+    from sglang_protocol.net import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("sgl-lora-log") / "server.log"
+    proc = start_sglang(toy, port, "--dtype", "bfloat16", "--mem-fraction-static", "0.2", "--enable-lora",
+                        "--max-lora-rank", "8", "--lora-target-modules", "all", "--disable-cuda-graph", log=log)
+    yield f"http://127.0.0.1:{port}"
+    stop_sglang(proc)
+    print(log.read_text()[-2000:])
+
+
+def _served(url: str, prompt: list[int], lora_path: str | None, n: int = 24) -> tuple[list[int], torch.Tensor, dict]:
+    """``n`` greedy tokens SGLang generates after ``prompt`` (naming ``lora_path``): their ids, the
+    log-probs it reports for them, and the answer's meta_info."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": True}
+    if lora_path:
+        body["lora_path"] = lora_path
+    out = _post(url, "/generate", body)
+    meta = out["meta_info"]
+    return out["output_ids"], torch.tensor([lp for lp, *_ in meta["output_token_logprobs"]]), meta
+
+
+def _hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The log-probs ``model`` gives ``output`` after ``prompt`` (teacher-forced, float32)."""
+    ids = torch.tensor([prompt + output], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1).cpu()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_lora_adapter_push_serves_the_trainers_adapter(lora_server, toy, tmp_path, transport):
+    """``push_adapter`` (what ``--lora-rank`` pushes after each step) into real SGLang: colocated as
+    CUDA IPC handles (``/load_lora_adapter_from_tensors``) or from a peft directory
+    (``/load_lora_adapter``). Read back through the engine: the log-probs SGLang reports for what it generates under
+    the adapter's name equal the trainer's peft model's (within bf16's error), far from the base
+    model's; a second push replaces the adapter, the weight version follows each push, and requests
+    without the adapter's name still get the base model."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_protocol.lora_adapter import POLICY_ADAPTER
+    from train_backend.lora import LoraSettings, adapter_config, adapter_tensors, wrap
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    prompt = [1, 5, 6, 7, 8, 9]
+    model = wrap(AutoModelForCausalLM.from_pretrained(str(toy), torch_dtype=torch.float32).cuda(),
+                 LoraSettings(rank=8, alpha=16.0, target_modules="all-linear"))
+    base_out, sgl_base, _ = _served(lora_server, prompt, None)
+    with model.disable_adapter():
+        hf_base = _hf_logprobs(model, prompt, base_out)
+    s = WeightSyncSettings(transport=transport, timeout_s=120, disk_dir=str(tmp_path / "adapters"), hf_checkpoint=str(toy))
+    rows = []
+    with WeightSender(s) as sender:
+        sender.connect([lora_server])
+        for version, seed in ((30, 0), (31, 1)):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            with torch.no_grad():  # a trained adapter: B is no longer zero
+                for name, p in model.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.2)
+            m = sender.push_adapter(adapter_config(model, str(toy)), adapter_tensors(model), version)
+            out, sgl_lora, meta = _served(lora_server, prompt, POLICY_ADAPTER)
+            hf_lora = _hf_logprobs(model, prompt, out)
+            with model.disable_adapter():
+                hf_base_on_out = _hf_logprobs(model, prompt, out)
+            row = {"version": version, "push_s": m["weight_sync/time_s"], "bytes": m["weight_sync/bytes"],
+                   "served_vs_trainer": float((sgl_lora - hf_lora).abs().max()),
+                   "served_vs_base": float((sgl_lora - hf_base_on_out).abs().max()),
+                   "base_served_vs_trainer": float((sgl_base - hf_base).abs().max()),
+                   "weight_version": meta.get("weight_version")}
+            rows.append(row)
+            print(f"lora {transport}: {row}")
+            assert m["weight_sync/adapter"] == 1 and m["weight_sync/attempts"] == 1
+            assert row["served_vs_trainer"] < 0.1 and row["base_served_vs_trainer"] < 0.1, row
+            assert row["served_vs_base"] > 1.0 and row["served_vs_base"] > 10 * row["served_vs_trainer"], row
+            assert sender._loop.run(sender.engines[0].client.get_weight_version(), timeout=60) == str(version)
+    # the base model is still served without the adapter's name
+    assert _served(lora_server, prompt, None)[0] == base_out
+    if os.environ.get("RESERVOIR_TIER_OUT"):
+        Path(os.environ["RESERVOIR_TIER_OUT"], f"lora_push_{transport}.json").write_text(json.dumps(rows, indent=2))
 
 
 def test_kv_cache_release_and_resume_around_training(server):
