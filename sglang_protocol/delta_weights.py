@@ -175,7 +175,8 @@ def _unplanes(planes: torch.Tensor, itemsize: int, dtype: torch.dtype) -> torch.
 
 class _Base:
     """What :func:`install` keeps per model: the last full value of every tensor loaded (HF names,
-    engine dtype, on the CPU). Which version it is, the trainer checks before it sends a delta
+    the dtype it was loaded in, on the CPU; cast to the delta's dtype, the engine's, when the first
+    delta of that tensor arrives: the model holds the cast too). Which version it is, the trainer checks before it sends a delta
     (the engine's ``/get_weight_version`` must be the delta's base)."""
 
     def __init__(self) -> None:
@@ -233,6 +234,11 @@ def _expand(base: _Base, weights: Iterable[tuple[str, torch.Tensor]]):
         if missing:  # the trainer pushes in full after this failure
             raise DeltaError(f"delta against {meta['base']!r}: no base of {missing[0]} (no full push was loaded "
                              f"since delta pushes were armed)")
+        dtype = parse_dtype(meta["dtype"])
+        for n in meta["names"]:  # a full push from disk loads the file's dtype (the trainer's, e.g. float32),
+            kept = base.tensors[n]  # which the model casts to the dtype it serves, the one deltas are taken in
+            if kept.dtype != dtype and kept.is_floating_point() and dtype.is_floating_point:
+                base.tensors[n] = kept.to(dtype)
         targets = [base.tensors[n] for n in meta["names"]]
         apply(meta, t, targets)
         for n, x in zip(meta["names"], targets):

@@ -50,6 +50,15 @@ PER_RANK_SINCE = (0, 5, 17)
 ADMIN_ROUTE_SINCE = (0, 5, 22)
 
 
+def cuda_device_by_uuid(release: tuple[int, int, int] | None) -> bool:
+    """Whether an engine of SGLang ``release`` (None: the embedded engine) reads a CUDA tensor's
+    device as a UUID in ``/load_lora_adapter_from_tensors``: 0.5.17+ applies its UUID patch to torch's
+    reductions before it deserializes the adapter (``deserialize_own_rank``); 0.5.15's route does not,
+    and a UUID there kills the scheduler (``_new_shared_cuda`` gets a str; seen on the GPU, 2026-12-05),
+    so the adapter goes with the device's index, which must name the same GPU in both processes."""
+    return release is None or release >= PER_RANK_SINCE
+
+
 class TensorsLoad(NamedTuple):
     """One ``/load_lora_adapter_from_tensors`` request: its JSON ``body``, and whether it is an
     admin call (sends the admin key) or a NORMAL one (the API key)."""

@@ -93,11 +93,14 @@ def flattened_bucket(names: Sequence[str], flat: torch.Tensor, dtypes: Sequence[
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
-def serialize(obj: Any) -> str:
+def serialize(obj: Any, device_by_uuid: bool = True) -> str:
     """``obj`` as one entry of ``serialized_named_tensors``: base64 of torch's ForkingPickler
-    output, CUDA devices named by UUID and CPU storages by shared-memory file name."""
+    output, CUDA devices named by UUID and CPU storages by shared-memory file name.
+    ``device_by_uuid=False``: CUDA devices by index, torch's own form, for a receiver that
+    deserializes without SGLang's UUID patch (``lora_adapter.cuda_device_by_uuid``); the index
+    must then mean the same GPU in both processes."""
     buf = io.BytesIO()
-    _Pickler(buf).dump(obj)
+    _Pickler(buf, device_by_uuid).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -118,12 +121,14 @@ def request_body(obj: Any, tp_size: int, load_format: str | None, flush_cache: b
 
 
 class _Pickler(ForkingPickler):
-    """ForkingPickler with torch's reducers, except: CUDA devices by UUID, CPU storages by file name."""
+    """ForkingPickler with torch's reducers, except: CUDA devices by UUID (unless told not to), CPU
+    storages by file name."""
 
-    def __init__(self, file: io.BytesIO):
+    def __init__(self, file: io.BytesIO, device_by_uuid: bool = True):
         super().__init__(file)
-        self.dispatch_table[torch.Tensor] = _reduce_tensor
-        self.dispatch_table[torch.nn.Parameter] = _reduce_tensor
+        reduce_tensor = _reduce_tensor if device_by_uuid else _reduce_tensor_by_index
+        self.dispatch_table[torch.Tensor] = reduce_tensor
+        self.dispatch_table[torch.nn.Parameter] = reduce_tensor
         self.dispatch_table[torch.UntypedStorage] = _reduce_storage
 
 
@@ -135,6 +140,13 @@ def _reduce_tensor(t: torch.Tensor):
                                f"position {_CUDA_DEVICE_ARG}")
         uuid = str(torch.cuda.get_device_properties(t.device.index).uuid)
         args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1:])
+    return fn, args
+
+
+def _reduce_tensor_by_index(t: torch.Tensor):
+    fn, args = reductions.reduce_tensor(t)
+    if t.is_cuda and not isinstance(args[_CUDA_DEVICE_ARG], int):  # SGLang's patch is loaded in this process
+        args = (*args[:_CUDA_DEVICE_ARG], t.device.index, *args[_CUDA_DEVICE_ARG + 1:])
     return fn, args
 
 

@@ -197,3 +197,12 @@ def test_sglang_0515s_own_struct_takes_the_body():
     assert ours["lora_name"] == POLICY_ADAPTER and ours["config_r"] == config["r"]
     assert ours["tensors"] == pytest.approx({n: t.double().sum().item() for n, t in tensors.items()})
     assert "serialized_tensors" in newer.get("error", ""), newer
+
+
+def test_cuda_devices_go_by_index_to_releases_that_read_no_uuid():
+    """0.5.15.post1's route deserializes without SGLang's UUID patch (a UUID killed its scheduler on
+    the GPU); 0.5.17+ and the embedded engine read UUIDs. The GPU tier pushes CUDA adapters to 0.5.15."""
+    from sglang_protocol.lora_adapter import cuda_device_by_uuid
+
+    assert [cuda_device_by_uuid(r) for r in ((0, 5, 15), (0, 5, 16), (0, 5, 17), (0, 5, 23), None)] == \
+        [False, False, True, True, True]

@@ -88,6 +88,16 @@ def test_sglang_models_apply_deltas_through_their_own_load_weights():
             "enc": "xor", "base": "1"}
     model.load_weights([(dw.header(meta), payload)])
     assert torch.equal(model.qk.data, torch.cat([q2, k2])) and model.loads == 2
+    # a full push from disk hands load_weights the file's float32, which the model casts to bf16: the
+    # first delta (taken in bf16, against the trainer's bf16 copy) applies to the base cast the same way
+    q32, k32 = torch.randn(4, 4), torch.randn(2, 4)
+    model.load_weights([("q.weight", q32), ("k.weight", k32)])
+    assert dw.base_of(model)["q.weight"].dtype == torch.float32
+    qb, kb = q32.to(torch.bfloat16), k32.to(torch.bfloat16)
+    q3, k3 = _changed(qb, 0.3, 6), _changed(kb, 0.3, 7)
+    payload, n = dw.encode(torch.cat([dw.bits(q3), dw.bits(k3)]), torch.cat([dw.bits(qb), dw.bits(kb)]), "xor")
+    model.load_weights([(dw.header({**meta, "n": n, "base": "2"}), payload)])
+    assert torch.equal(model.qk.data, torch.cat([q3, k3])) and dw.base_of(model)["q.weight"].dtype == torch.bfloat16
     fresh = _FusedModel()  # a restarted engine: not armed, no base: refuses rather than guessing
     dw.install(fresh)
     with pytest.raises(dw.DeltaError, match="no base"):

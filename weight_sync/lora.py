@@ -42,7 +42,7 @@ import torch
 
 from sglang_protocol.buckets import tensor_checksum
 from sglang_protocol.client import EngineError
-from sglang_protocol.lora_adapter import POLICY_ADAPTER, tensors_load_request, write_adapter
+from sglang_protocol.lora_adapter import POLICY_ADAPTER, cuda_device_by_uuid, tensors_load_request, write_adapter
 from weight_sync.engines import EngineState, call_all
 from weight_sync.interfaces import WeightSyncSettings
 from weight_sync.link import PushFailed
@@ -110,11 +110,14 @@ class AdapterPush:
             releases = await call_all(members, lambda c: c.sglang_release(), "server_info")
             copies = {n: t.detach().clone() for n, t in tensors.items()}  # alive until every engine copied them
             nbytes = sum(t.numel() * t.element_size() for t in copies.values())
-            blob = await loop.run_in_executor(None, serialize, copies)  # SGLang reads a {name: tensor} dict
+            blobs = {}  # SGLang reads a {name: tensor} dict; CUDA devices by UUID where the release can read it
+            for by_uuid in {cuda_device_by_uuid(r) for r in releases}:
+                blobs[by_uuid] = await loop.run_in_executor(None, serialize, copies, by_uuid)
             # SGLang 0.5.16+ (and the embedded engine) verify every tensor as they load it
             sums = await loop.run_in_executor(None, _checksums, tensors) if s.check_equal else None
             try:
-                requests = {e.url: tensors_load_request(r, POLICY_ADAPTER, config, blob, e.gpus, sums)
+                requests = {e.url: tensors_load_request(r, POLICY_ADAPTER, config, blobs[cuda_device_by_uuid(r)], e.gpus,
+                                                        sums)
                             for e, r in zip(members, releases)}
             except ValueError as err:
                 raise ValueError(f"--check-weight-update-equal with --lora-rank and the tensor transport: {err}; "
