@@ -95,3 +95,26 @@ class BufferVersionSink:
 
     def __call__(self, version: int) -> None:
         call_buffer(self.handle, "set_weight_version", version, ray_timeout_s=self.ray_timeout_s)
+
+
+class PendingGet:
+    """A ``get(n, step=step)`` already sent to the buffer, whose groups are fetched where they are
+    used: the driver hands it to trainer rank 0, so the batch goes from the object store to the
+    rank without the driver unpickling and pickling it again. Picklable (an actor handle, the
+    call's ``ObjectRef`` and its arguments).
+
+    :meth:`result` waits for the answer; a call that failed because the buffer was restarting is
+    asked again through :func:`call_buffer` (``get`` with a ``step`` is idempotent: the same batch)."""
+
+    def __init__(self, handle: Any, n: int, step: int):
+        self.handle, self.n, self.step = handle, n, step
+        self.ref = handle.get.remote(n, step=step)
+
+    def result(self) -> Any:
+        """The groups (``ray.get``); the buffer's own error when the get failed."""
+        import ray
+
+        try:
+            return ray.get(self.ref)
+        except _retryable():
+            return call_buffer(self.handle, "get", self.n, step=self.step)

@@ -49,6 +49,7 @@ from rollout_manager.sft import conversation_check, is_sft_rollout
 from rollout_manager.summary import eval_data_metrics, rollout_metrics
 from rollout_manager.teacher import Teacher
 from rollout_manager.tito import tito_checker
+from rollout_manager.tokenizer import load_tokenizer
 from sglang_protocol.client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -140,8 +141,7 @@ class RolloutManager:
         self.rewarder = Rewarder(p, args)
         if not settings.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required (its tokenizer encodes the prompts)")
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
+        self.tokenizer = load_tokenizer(settings.hf_checkpoint)  # AutoTokenizer's, without torch where it can
         self.tito = tito_checker(settings, self.tokenizer)  # None with --tito-check off
         self.agent_env = None  # --agent-env's environment, built once (rollout_manager/agent.py)
         if p.agent_env:

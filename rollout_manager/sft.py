@@ -109,9 +109,9 @@ def generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: b
     if ctx is not None and ctx.tokenizer is not None:
         tokenizer = ctx.tokenizer
     else:  # called outside a rollout manager
-        from transformers import AutoTokenizer
+        from rollout_manager.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        tokenizer = load_tokenizer(args.hf_checkpoint)
     mask_type = getattr(args, "loss_mask_type", "qwen")
     groups = data_buffer.get_samples(args.rollout_batch_size)
     for group in groups:

@@ -318,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = None
     if args.hf_checkpoint:
-        from transformers import AutoTokenizer  # noqa: PLC0415
+        from rollout_manager.tokenizer import load_tokenizer  # noqa: PLC0415
 
-        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        tokenizer = load_tokenizer(args.hf_checkpoint)
     checker, counts = TitoChecker("warn", 1.0, tokenizer), Counter()
     total = 0
     for group in groups:

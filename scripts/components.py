@@ -28,7 +28,7 @@ from scripts.faults import crash_point_after, die_in_push
 from scripts.metrics_log import MetricsLogger, duration, eval_line, missing_plots, plot_metrics, read_metrics
 from scripts.producer import AsyncProducer
 
-from buffer.retry import call_buffer
+from buffer.retry import PendingGet, call_buffer
 from metric_keys import (EVAL_ACCURACY, ROLLOUT_REWARD_MEAN, ROLLOUT_TIME, STEP_TIME, TRAIN_TIME, WEIGHT_SYNC_TIME,
                          step_breakdown)
 
@@ -238,15 +238,24 @@ class Run:
             self._pending.update(ray.get(self.rollout.push.remote(step, self.buffer)))
 
     @crash_point_after("after_get")
-    def get_batch(self, step: int) -> list[list[Any]]:
-        """Take this step's groups: from the buffer, or from a debug dump (--debug-train-only)."""
+    def get_batch(self, step: int) -> list[list[Any]] | PendingGet:
+        """Take this step's groups: from the buffer, or from a debug dump (--debug-train-only).
+
+        In sync mode, when nothing here reads the groups, the buffer's answer goes to trainer rank 0
+        unopened (a :class:`~buffer.retry.PendingGet`): the batch skips the driver's unpickling and
+        pickling again, rank 0 fetches it, and a failed get fails the train call with the buffer's
+        error (``train_backend.actor_group.TrainerRank.train_step``)."""
         from buffer.arrow import read_parquet, write_parquet
 
+        n = self.settings.rollout.sampling.rollout_batch_size
+        if self.trainer is not None and not (self.max_staleness or self.s.debug_train_only
+                                             or self.s.save_debug_rollout_data):
+            return PendingGet(self.buffer, n, step)  # rank 0 reports the wait as perf/buffer_wait_time
         with self._timer("perf/buffer_wait_time"):
             if self.s.debug_train_only:
                 groups = read_parquet(self.s.load_debug_rollout_data.format(rollout_id=step))
             elif self._producer is None:
-                groups = call_buffer(self.buffer, "get", self.settings.rollout.sampling.rollout_batch_size, step=step)
+                groups = call_buffer(self.buffer, "get", n, step=step)
             else:  # waits in slices, so a failed producer is reported instead of waited on
                 groups = self._get_async(step)
         if self.s.save_debug_rollout_data:
@@ -257,7 +266,7 @@ class Run:
         return groups
 
     @crash_point_after("after_train")
-    def train(self, step: int, groups: list[list[Any]]) -> None:
+    def train(self, step: int, groups: list[list[Any]] | PendingGet) -> None:
         """Train on this step's groups; their metrics wait for ``log_step`` (no-op with ``--debug-rollout-only``).
 
         With ``--colocate`` the engines first release their GPU memory to the trainer.

@@ -72,8 +72,45 @@ def test_two_gloo_ranks_train_like_one(ray_local, toy_model_dir, groups, one_ran
         # an error inside a rank: one RuntimeError in the driver, naming the rank and the call
         with pytest.raises(RuntimeError, match=r"trainer rank [01]: load failed: RuntimeError: .*not a torch-backend"):
             two.load(str(tmp_path / "no_such_checkpoint"))
+        _train_on_the_buffers_answer(two, groups)
     finally:
         two.close()
+
+
+class _StubBuffer:
+    """The buffer's ``get(n, step=)``: the given groups, or (None) the buffer's timeout."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def get(self, n, step=None):
+        if self.groups is None:
+            raise TimeoutError("buffer.get: 2 groups not there after 0.1s")
+        return self.groups[:n]
+
+
+def _train_on_the_buffers_answer(group: TrainerGroup, groups) -> None:
+    """The launcher's sync mode hands rank 0 the buffer's pending answer (``PendingGet``): rank 0
+    fetches the groups and the ranks train on them; a failed get fails every rank with the buffer's
+    error, and rank 1 is not left waiting in the groups' broadcast."""
+    import concurrent.futures
+
+    import ray
+
+    from buffer.retry import PendingGet
+
+    metrics = group.train_step(PendingGet(ray.remote(_StubBuffer).remote(groups), 2, step=2), 2)
+    assert metrics["train/num_samples"] == 16 and metrics["perf/buffer_wait_time"] >= 0
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # a hang shows as a timeout, not a stuck test
+    try:
+        call = pool.submit(group.train_step, PendingGet(ray.remote(_StubBuffer).remote(None), 2, step=3), 3)
+        with pytest.raises(RuntimeError, match=r"trainer rank [01]: train_step failed: .*no batch .*"
+                                               r"get\(step=3\) failed: TimeoutError: buffer.get: 2 groups not there"):
+            call.result(timeout=120)
+        # rank 1 left the broadcast: it answers the next call (an actor runs one call at a time)
+        assert ray.get(group.ranks[1].placement.remote(), timeout=60)["rank"] == 1
+    finally:
+        pool.shutdown(wait=False)  # (a hung call ends when the finally above closes the group)
 
 
 def test_megatron_tp2_ranks_train_like_one_torch_rank(ray_local, toy_model_dir, groups, one_rank,  # noqa: F811

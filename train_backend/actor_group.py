@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from flags import flag, flag_of
 from metric_keys import WEIGHT_GATHER_TIME, WEIGHT_PUSH_RANK_TIME
+from buffer.ray_errors import error_line
+from buffer.retry import PendingGet
 from ray_cluster.placement import reserve_placement_group
 from train_backend.interfaces import TrainSettings, create_backend
 from train_backend.lora import LoraSettings
@@ -198,11 +200,26 @@ class TrainerRank:
                                         params=offload_params)
 
     # --- the TrainBackend methods, on this rank ------------------------------------------------
-    def train_step(self, groups: list[list["Sample"]] | None, step: int) -> dict[str, float]:
+    def train_step(self, groups: "list[list[Sample]] | PendingGet | None", step: int) -> dict[str, float]:
         """The backend's ``train_step``; on a GPU with ``--offload-train`` the optimizer state comes
-        back first, and the memory of the phases around it is reported (module docstring)."""
+        back first, and the memory of the phases around it is reported (module docstring).
+
+        Rank 0 may get the buffer's :class:`~buffer.retry.PendingGet` instead of the groups: it
+        fetches them itself, and reports the wait as ``perf/buffer_wait_time``. A failed fetch still
+        goes into the batch's broadcast (as a :class:`~train_backend.step.MissingBatch`), so every
+        rank fails with the buffer's error rather than the others waiting for the groups."""
+        fetched: dict[str, float] = {}
+        if isinstance(groups, PendingGet):
+            from train_backend.step import MissingBatch  # here: the launcher imports this module, and no torch
+
+            t0 = time.perf_counter()
+            try:
+                groups = groups.result()
+            except Exception as e:  # the ranks > 0 learn it in receive_groups; each rank raises it there
+                groups = MissingBatch(f"the buffer's get(step={step}) failed: {error_line(e)}")
+            fetched = {"perf/buffer_wait_time": time.perf_counter() - t0}
         if not self.cuda:
-            return self.backend.train_step(groups, step)
+            return {**self.backend.train_step(groups, step), **fetched}
         rollout = self._memory_phase("rollout")  # what this rank held while the engines generated
         onload = {}
         if self.offload is not None and self.offload.offloaded:
@@ -210,7 +227,7 @@ class TrainerRank:
             moved = self.offload.onload()
             onload = {"perf/onload_train_time": time.perf_counter() - t0, "memory/offloaded_gib": moved / 1024 ** 3}
         metrics = self.backend.train_step(groups, step)
-        return {**metrics, **rollout, **onload, **self._memory_phase("train")}
+        return {**metrics, **rollout, **onload, **self._memory_phase("train"), **fetched}
 
     def compute_log_probs(self, samples: list["Sample"]) -> list[list[float]]:
         with self._state_on_device():
@@ -376,13 +393,14 @@ class TrainerGroup:
         return self._gather([r.placement.remote() for r in self.ranks], "placement")
 
     # --- the TrainBackend methods the launcher uses ---------------------------------------------
-    def train_step(self, groups: list[list["Sample"]], step: int) -> dict[str, float]:
+    def train_step(self, groups: "list[list[Sample]] | PendingGet", step: int) -> dict[str, float]:
         """Train every rank on one rollout batch: rank 0 gets the groups and hands each
         data-parallel rank its share; returns rank 0's metrics.
 
         The groups go with rank 0's call as an argument: Ray sends a small one inside the call
         (no object-store round trip, as ``ray.put`` would take; only rank 0 reads them) and puts a
-        large one into its store itself."""
+        large one into its store itself. A :class:`~buffer.retry.PendingGet` goes the same way and
+        rank 0 fetches the groups from the buffer's answer (:meth:`TrainerRank.train_step`)."""
         return self._gather([r.train_step.remote(groups if i == 0 else None, step) for i, r in enumerate(self.ranks)],
                             "train_step")[0]
 

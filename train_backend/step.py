@@ -133,8 +133,10 @@ class StepStats:
         return out
 
 
-def run_train_step(backend: StepBackend, groups: list[list[Sample]] | None, step: int) -> dict[str, float]:
-    """Train ``backend`` on one rollout batch (rank 0's ``groups``; other ranks may pass None);
+def run_train_step(backend: StepBackend, groups: list[list[Sample]] | MissingBatch | None,
+                   step: int) -> dict[str, float]:
+    """Train ``backend`` on one rollout batch (rank 0's ``groups``; other ranks may pass None;
+    rank 0 passes a :class:`MissingBatch` when it has none, and every rank fails with its reason);
     returns the ``train/...`` metrics (identical on every rank)."""
     t0 = time.perf_counter()
     s, hooks = backend.settings, backend.hooks
@@ -235,17 +237,28 @@ class _Phases:
         self.last = now
 
 
-def receive_groups(groups: list[list[Sample]] | None) -> list[list[Sample]]:
-    """Rank 0's groups, on every rank of the default process group."""
+@dataclass
+class MissingBatch:
+    """What rank 0 passes instead of the groups when it could not fetch them (a failed buffer
+    ``get``): every rank then fails with ``reason`` instead of the other ranks waiting in the
+    groups' broadcast for a batch that never comes."""
+
+    reason: str
+
+
+def receive_groups(groups: list[list[Sample]] | MissingBatch | None) -> list[list[Sample]]:
+    """Rank 0's groups, on every rank of the default process group; a :class:`MissingBatch` of
+    rank 0 fails every rank with its reason."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world == 1:
-        if groups is None:
-            raise ValueError("train_step: groups is None")
-        return groups
-    box = [groups if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+        box = [groups]
+    else:
+        box = [groups if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], MissingBatch):
+        raise RuntimeError(f"train_step: no batch (rank 0 could not fetch it): {box[0].reason}")
     if box[0] is None:
-        raise ValueError("train_step: rank 0 passed groups=None")
+        raise ValueError("train_step: groups is None" if world == 1 else "train_step: rank 0 passed groups=None")
     return box[0]
 
 
