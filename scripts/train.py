@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> Path:
         if "\n" in str(e).strip():  # Ray's errors run over many lines: all of it first, the verdict last
             print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(f"scripts/train.py: error: step {step}: {error_line(e)}\n{run.resume_hint()}")
+    except KeyboardInterrupt:  # Ctrl-C: the parts shut down, where the run stands said, no traceback
+        run.finish()
+        sys.exit(f"scripts/train.py: interrupted in step {step}\n{run.resume_hint()}")
     except BaseException:
         run.finish()
         raise
@@ -60,4 +63,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while the parts start or shut down
+        sys.exit("scripts/train.py: interrupted")

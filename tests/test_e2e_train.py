@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,45 @@ def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
     assert sorted(g[0].group_index for groups in batches for g in groups) == list(range(n_steps * batch))
     # on-policy throughout, the redone steps included
     assert all(min(s.weight_versions) == step for step, groups in enumerate(batches) for g in groups for s in g)
+
+
+def test_ctrl_c_shuts_the_run_down_and_says_where_it_stands(warm_toy, tmp_path):
+    """SIGINT (Ctrl-C) mid-run: the launcher stops its parts, says in which step and from which
+    checkpoint to resume, and prints no traceback; nothing of the run's process group is left."""
+    out, ckpt = tmp_path / "interrupted", tmp_path / "ckpt"
+    cmd = train_cmd(warm_toy, out, "--num-rollout", "200", "--save", str(ckpt), "--save-interval", "2")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (ckpt / "latest.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)  # polling a file the run writes: the event is the first checkpoint
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    step = int(re.search(r"scripts/train.py: interrupted in step (\d+)", err).group(1))
+    saved = json.loads((ckpt / "latest.json").read_text())["step"]
+    assert saved < step and f"add --load {ckpt} to resume" in err, err[-2000:]
+    assert _group_ends(proc.pid, within_s=30), "processes of the interrupted run are still alive"
+
+
+def _group_ends(pgid: int, within_s: float) -> bool:
+    """Whether process group ``pgid`` is empty within ``within_s`` (Ray's processes exit a moment
+    after the driver)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 # CI time: the run that loses rank 0 inside its push is slow-only (a third launcher run); an engine
