@@ -181,6 +181,7 @@ class _Base:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self.refused = False  # the last load refused a delta: the next load is SGLang's rollback
 
 
 _bases: dict[int, _Base] = {}
@@ -220,7 +221,14 @@ def base_of(model: Any) -> dict[str, torch.Tensor] | None:
 def _expand(base: _Base, weights: Iterable[tuple[str, torch.Tensor]]):
     """The plain tensors of ``weights``, each recorded into ``base``, and the full tensors a delta
     bucket makes of ``base``, in order."""
+    rollback, base.refused = base.refused, False
     for name, t in weights:
+        if is_delta(name) and rollback:
+            # SGLang's update_weights_from_disk (0.5.15 to 0.5.23) rolls a failed load back by reading
+            # the path again, which is the delta it just failed on: raising again kills its scheduler.
+            # Nothing of it is loaded; the request still fails and the trainer's next push is full.
+            logger.warning("a delta after a refused one: skipped (SGLang's rollback re-reading it)")
+            continue
         if not is_delta(name):
             kept = base.tensors.get(name)
             if kept is not None and kept.shape == t.shape and kept.dtype == t.dtype:
@@ -229,17 +237,26 @@ def _expand(base: _Base, weights: Iterable[tuple[str, torch.Tensor]]):
                 base.tensors[name] = t.detach().to("cpu", copy=True).contiguous()
             yield name, t
             continue
-        meta = parse_header(name)
-        missing = [n for n in meta["names"] if n not in base.tensors]
-        if missing:  # the trainer pushes in full after this failure
-            raise DeltaError(f"delta against {meta['base']!r}: no base of {missing[0]} (no full push was loaded "
-                             f"since delta pushes were armed)")
-        dtype = parse_dtype(meta["dtype"])
-        for n in meta["names"]:  # a full push from disk loads the file's dtype (the trainer's, e.g. float32),
-            kept = base.tensors[n]  # which the model casts to the dtype it serves, the one deltas are taken in
-            if kept.dtype != dtype and kept.is_floating_point() and dtype.is_floating_point:
-                base.tensors[n] = kept.to(dtype)
-        targets = [base.tensors[n] for n in meta["names"]]
-        apply(meta, t, targets)
-        for n, x in zip(meta["names"], targets):
-            yield n, x.to(t.device)
+        try:
+            yield from _apply_to_base(base, name, t)
+        except DeltaError:
+            base.refused = True
+            raise
+
+
+def _apply_to_base(base: _Base, name: str, t: torch.Tensor):
+    """The full tensors delta bucket ``name`` (its payload ``t``) makes of ``base``, which it updates."""
+    meta = parse_header(name)
+    missing = [n for n in meta["names"] if n not in base.tensors]
+    if missing:  # the trainer pushes in full after this failure
+        raise DeltaError(f"delta against {meta['base']!r}: no base of {missing[0]} (no full push was loaded "
+                         f"since delta pushes were armed)")
+    dtype = parse_dtype(meta["dtype"])
+    for n in meta["names"]:  # a full push from disk loads the file's dtype (the trainer's, e.g. float32),
+        kept = base.tensors[n]  # which the model casts to the dtype it serves, the one deltas are taken in
+        if kept.dtype != dtype and kept.is_floating_point() and dtype.is_floating_point:
+            base.tensors[n] = kept.to(dtype)
+    targets = [base.tensors[n] for n in meta["names"]]
+    apply(meta, t, targets)
+    for n, x in zip(meta["names"], targets):
+        yield n, x.to(t.device)

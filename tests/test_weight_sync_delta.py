@@ -98,6 +98,17 @@ def test_sglang_models_apply_deltas_through_their_own_load_weights():
     payload, n = dw.encode(torch.cat([dw.bits(q3), dw.bits(k3)]), torch.cat([dw.bits(qb), dw.bits(kb)]), "xor")
     model.load_weights([(dw.header({**meta, "n": n, "base": "2"}), payload)])
     assert torch.equal(model.qk.data, torch.cat([q3, k3])) and dw.base_of(model)["q.weight"].dtype == torch.bfloat16
+    # SGLang's update_weights_from_disk rolls a failed load back by reading the same path again: the
+    # refused delta, read twice, must not raise twice (that killed the scheduler) nor load anything
+    before, bad = model.qk.data.clone(), {**meta, "names": ["q.weight", "v.weight"], "n": 0}
+    with pytest.raises(dw.DeltaError, match="no base of v.weight"):
+        model.load_weights([(dw.header(bad), torch.empty(0, dtype=torch.uint8))])
+    model.load_weights([(dw.header(bad), torch.empty(0, dtype=torch.uint8))])  # the rollback: a no-op
+    assert torch.equal(model.qk.data, before)
+    q4, k4 = _changed(q3, 0.3, 8), _changed(k3, 0.3, 9)  # the next delta applies again
+    payload, n = dw.encode(torch.cat([dw.bits(q4), dw.bits(k4)]), torch.cat([dw.bits(q3), dw.bits(k3)]), "xor")
+    model.load_weights([(dw.header({**meta, "n": n, "base": "3"}), payload)])
+    assert torch.equal(model.qk.data, torch.cat([q4, k4]))
     fresh = _FusedModel()  # a restarted engine: not armed, no base: refuses rather than guessing
     dw.install(fresh)
     with pytest.raises(dw.DeltaError, match="no base"):
