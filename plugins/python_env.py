@@ -5,6 +5,7 @@ For ``--agent-env`` (``rollout_manager/agent.py``)::
     --agent-env plugins.python_env.make_env                 # the run's --rm-type scores the episode
     --agent-env plugins.python_env.make_answer_env          # reward 1.0 when the final reply is the label
     --agent-env plugins.python_env.make_number_answer_env   # reward 1.0 when its final number is the label
+    --agent-env plugins.python_env.make_number_answer_user_env  # the same, the tool's answer as a user turn
     --agent-env plugins.python_env.make_bare_answer_env     # make_answer_env without a system prompt
     --agent-env plugins.python_env.make_toy_tool_env        # the toy tool task's (the question as the variable q)
 
@@ -13,8 +14,9 @@ runs it in a fresh sandboxed interpreter (``SandboxLimits()``: 10 s, 1 GiB, no n
 machine allows it; never blocking the rollout's event loop). When the code's last statement is an
 expression, its value is printed, as in a notebook cell (``<code>37*48</code>`` answers ``1776``).
 The tool's answer (stdout; on failure the last line of stderr, or the limit that stopped it) comes
-back as one ``tool`` message, at most ``max_output_chars`` characters. A turn without code is the
-final answer: the episode ends (``make_answer_env`` rewards it against ``sample.label``).
+back as one ``tool`` message (or what ``result_message`` makes of it), at most ``max_output_chars``
+characters. A turn without code is the final answer: the episode ends (``make_answer_env`` rewards
+it against ``sample.label``).
 """
 
 from __future__ import annotations
@@ -73,13 +75,17 @@ class PythonToolEnv:
     (default: equal after stripping), else 0.0 (False: no reward from the environment, the run's
     reward scores it; tool turns then score 0.0);
     ``limits`` / ``max_concurrency``: the sandbox's; ``preamble(sample)``: code run before the
-    model's in the same interpreter, unseen by the model (the task's inputs as variables)."""
+    model's in the same interpreter, unseen by the model (the task's inputs as variables);
+    ``result_message(text)``: the message that brings the tool's answer back (default a ``tool``
+    turn; a model never trained on a tool role may read a ``user`` turn better)."""
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, answer_reward: bool = False,
                  limits: SandboxLimits | None = None, max_concurrency: int = 4, max_output_chars: int = 512,
                  preamble: Callable[[Any], str] | None = None,
-                 answer_matches: Callable[[str, str], bool] = lambda reply, label: reply.strip() == label.strip()):
+                 answer_matches: Callable[[str, str], bool] = lambda reply, label: reply.strip() == label.strip(),
+                 result_message: Callable[[str], dict] = lambda text: {"role": "tool", "content": text}):
         self.system_prompt = system_prompt
+        self.result_message = result_message
         self.answer_matches = answer_matches
         self.preamble = preamble
         self.answer_reward = answer_reward
@@ -117,7 +123,7 @@ class PythonToolEnv:
         info = {"tool_calls": 1, "tool_errors": 0 if result.ok else 1, "tool_time_s": [result.wall_s]}
         # with answer_reward the episode's reward is the environment's alone: a tool turn scores 0, so an
         # episode cut off after a tool call is not scored by the run's rule (which could read the tool's output)
-        return [{"role": "tool", "content": text}], False, 0.0 if self.answer_reward else None, info
+        return [self.result_message(text)], False, 0.0 if self.answer_reward else None, info
 
 
 def make_env(args: Any) -> PythonToolEnv:
@@ -130,11 +136,29 @@ def make_answer_env(args: Any) -> PythonToolEnv:
     return PythonToolEnv(answer_reward=True)
 
 
+def _number_matches(reply: str, label: str) -> bool:
+    return answers_match(extract_answer(reply), label)
+
+
 def make_number_answer_env(args: Any) -> PythonToolEnv:
     """``--agent-env`` factory: the Python tool; the final reply is rewarded when its final answer
     (its last ``\\boxed{}`` or last number, ``--rm-type math``'s rule) equals the label, so
-    ``"The answer is 28454."`` counts. The SmolLM2 tool task (``examples/gpu/agent_smollm2_python_tool.yaml``)."""
-    return PythonToolEnv(answer_reward=True, answer_matches=lambda reply, label: answers_match(extract_answer(reply), label))
+    ``"The answer is 28454."`` counts."""
+    return PythonToolEnv(answer_reward=True, answer_matches=_number_matches)
+
+
+#: How the SmolLM2 tool task brings the tool's output back: as a user turn that asks for the number.
+#: SmolLM2-135M-Instruct was not trained on a ``tool`` role: given a right tool answer as a ``tool``
+#: turn, 3 of 36 sampled final replies held it; as this user turn, 16 of 36 (CPU probe, 2026-12-05).
+OUTPUT_AS_USER = "The code printed: {}\nReply with the number alone."
+
+
+def make_number_answer_user_env(args: Any) -> PythonToolEnv:
+    """``--agent-env`` factory: ``make_number_answer_env`` whose tool answers come back as a user
+    turn (:data:`OUTPUT_AS_USER`), for chat models without a tool role. The SmolLM2 tool task
+    (``examples/gpu/agent_smollm2_python_tool.yaml``)."""
+    return PythonToolEnv(answer_reward=True, answer_matches=_number_matches,
+                         result_message=lambda text: {"role": "user", "content": OUTPUT_AS_USER.format(text)})
 
 
 def make_bare_answer_env(args: Any) -> PythonToolEnv:

@@ -10,7 +10,8 @@ from _fixtures_rollout import running_manager, toy_argv
 from transformers import AutoTokenizer
 
 from buffer.sample import Sample, Status
-from plugins.python_env import PYTHON_TOOL, PythonToolEnv, as_cell, extract_code, make_env, make_number_answer_env
+from plugins.python_env import (PYTHON_TOOL, PythonToolEnv, as_cell, extract_code, make_env, make_number_answer_env,
+                                make_number_answer_user_env)
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks
 
 
@@ -56,6 +57,10 @@ def test_number_answer_env_reads_the_final_number_and_plain_env_leaves_the_rewar
     number, plain_rewards = asyncio.run(go())
     assert number == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert plain_rewards == [None, None]
+    # the user-turn variant: the tool's answer comes back as a user message asking for the number
+    messages, done, reward, info = asyncio.run(make_number_answer_user_env(None).step(sample, "```python\n341 * 48\n```"))
+    assert messages == [{"role": "user", "content": "The code printed: 16368\nReply with the number alone."}]
+    assert (done, reward, info["tool_calls"]) == (False, 0.0, 1)
 
 
 def test_episode_with_the_python_tool(toy_model_dir):
