@@ -21,6 +21,9 @@ with real SGLang (``--engine sglang``, the flags the SGLang bundle needs) or the
 only ``trl`` and ``sync`` apply (colocated rollout and training take turns on the one GPU).
 
     python bench/e2e.py --gpu --engine sglang --modes trl,sync --seeds 1,2
+
+A GPU machine's calls last 10 minutes (one seed pair): run each seed with its own ``--out``, then
+``python bench/e2e.py --merge FILE... --out bench/results/e2e_gpu.json`` aggregates them as one race.
 """
 
 from __future__ import annotations
@@ -296,8 +299,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the results file, its .png beside it (default: bench/results/e2e.json, with --gpu e2e_gpu.json)")
     ap.add_argument("--gpu", action="store_true", help="the race on one GPU: TRL on CUDA, Reservoir colocated")
     ap.add_argument("--engine", choices=["sglang", "embedded"], default="sglang", help="Reservoir's engine with --gpu")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="FILE",
+                    help="run nothing: combine these results files' runs (seeds) into --out")
     args = ap.parse_args(argv)
     args.out = args.out or (RESULT_GPU if args.gpu else RESULT)
+    if args.merge:
+        return merge(args.merge, args.out, args.target)
     modes = args.modes.split(",")
     if args.gpu and not set(modes) <= {"trl", "sync"}:
         ap.error(f"--gpu runs colocated: --modes takes trl and sync only, got {args.modes}")
@@ -326,32 +333,58 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"   done in {time.time() - t:.0f}s: time to target {_fmt(r['time_to_0.9_s'])} s, "
                   f"steps {r['steps']}, final {r['final_accuracy']}", flush=True)
 
+    given = " ".join(argv if argv is not None else sys.argv[1:])
+    command = (f"python bench/e2e.py {given}" if args.gpu else
+               f"unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py {given}'")
+    extra = {}
+    if args.gpu:
+        extra["engine"] = args.engine
+        if args.engine == "sglang":
+            from importlib.metadata import version
+            extra["engine_version"] = version("sglang")
+    return write_result(runs, seeds, "e2e_gpu" if args.gpu else "e2e", _machine(args.gpu), command, args.out,
+                        args.target, **extra)
+
+
+def write_result(runs: dict[str, list[dict]], seeds: list[int], name: str, machine: str, command: str, out: Path,
+                 target: float, **extra) -> dict:
+    """Aggregate each mode's runs, write the results file and its plot, print the table; the result."""
     metrics = {k: aggregate(v) for k, v in runs.items()}
     ours = [m["time_to_0.9_s"]["median"] for k, m in metrics.items() if k.startswith("reservoir")]
     best = min(ours, default=float("inf"))
     trl = metrics.get("trl", {}).get("time_to_0.9_s", {}).get("median", float("inf"))
     ratio = trl / best if best < float("inf") and trl < float("inf") else None
-    given = " ".join(argv if argv is not None else sys.argv[1:])
     result = {
-        "name": "e2e_gpu" if args.gpu else "e2e", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(args.gpu),
-        "command": f"python bench/e2e.py {given}" if args.gpu else
-                   f"unshare -n bash -c 'ip link set lo up && exec python bench/e2e.py {given}'",
-        "seeds": seeds, "metrics": metrics, "ratio": ratio,
+        "name": name, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine, "command": command, "seeds": seeds, "metrics": metrics, "ratio": ratio,
         "ratio_definition": "TRL's median time to 0.9 from process start / the best Reservoir mode's median",
-        "target": 1.5,
+        "target": 1.5, **extra,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
-    plot(metrics, args.target, args.out.with_suffix(".png"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+    plot(metrics, target, out.with_suffix(".png"))
     print(table(metrics))
     print(f"ratio (TRL median / best Reservoir median, from process start) = {ratio}  (target 1.5)")
-    if args.gpu:
-        result["engine"] = args.engine
-        if args.engine == "sglang":
-            from importlib.metadata import version
-            result["engine_version"] = version("sglang")
     return result
+
+
+def merge(files: list[Path], out: Path, target: float) -> dict:
+    """One results file from several of the same benchmark, each holding some seeds (a GPU machine's
+    calls are 10 minutes: one seed pair each): every mode's runs together, aggregated again."""
+    results = [json.loads(f.read_text()) for f in files]
+    names = {r["name"] for r in results}
+    if len(names) != 1:
+        raise SystemExit(f"bench/e2e.py: --merge: the files hold different benchmarks: {sorted(names)}")
+    runs: dict[str, list[dict]] = {}
+    for r in results:
+        for mode, m in r["metrics"].items():
+            runs.setdefault(mode, []).extend(m["seeds"])
+    seeds = sorted({s for r in results for s in r["seeds"]})
+    machines = sorted({r["machine"] for r in results})
+    extra = {k: results[0][k] for k in ("engine", "engine_version") if k in results[0]}
+    return write_result(runs, seeds, names.pop(), " | ".join(machines),
+                        "merged (bench/e2e.py --merge) from: " + " ; ".join(r["command"] for r in results), out,
+                        target, **extra)
 
 
 def _machine(gpu: bool) -> str:
