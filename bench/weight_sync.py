@@ -63,6 +63,18 @@ def make_weights(name: str, device: str, seed: int = 0) -> list[tuple[str, torch
             for n, s in shapes]
 
 
+def one_buffer(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """``named``'s tensors moved into one flat buffer, as the torch trainer lays out its parameters
+    (what the colocated ``mapped`` push hands an engine as one handle)."""
+    from train_backend.torch_backend import flatten_parameters
+
+    holder = torch.nn.Module()
+    for i, (_, t) in enumerate(named):
+        holder.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
+    flatten_parameters(holder)
+    return [(n, p) for (n, _), p in zip(named, holder.parameters())]
+
+
 def write_template(name: str, out: Path) -> Path:
     """The config and the toy char tokenizer of the set ``name``, without weights: what an engine
     started with ``--load-format dummy`` reads."""

@@ -76,17 +76,7 @@ def bench_set(name: str, args, work: Path) -> dict:
 
     from sglang_protocol.held_weights import LOADER
 
-    from train_backend.torch_backend import flatten_parameters
-
-    # Parameters in one buffer, as the torch trainer lays them out for the mapped push
-    weights = _ws.make_weights(name, args.device)
-    holder = torch.nn.Module()
-    for i, (_, t) in enumerate(weights):
-        holder.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
-    del t
-    flatten_parameters(holder)
-    named = [(n, p) for (n, _), p in zip(weights, holder.parameters())]
-    del weights
+    named = _ws.one_buffer(_ws.make_weights(name, args.device))  # as the torch trainer lays them out
     nbytes = sum(x.numel() * x.element_size() for _, x in named)
     model = _ws.write_template(name, work)
     port = free_port()

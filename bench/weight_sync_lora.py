@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.weight_sync import SETS, make_weights, start_engine, write_template  # noqa: E402
+from bench.weight_sync import SETS, make_weights, one_buffer, start_engine, write_template  # noqa: E402
 
 SETS.setdefault("smollm2-135m", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152))
@@ -80,18 +80,6 @@ def first_request_s(port: int, lora_path: str | None) -> float:
     with urllib.request.urlopen(req, timeout=1200) as r:
         r.read()
     return time.perf_counter() - t0
-
-
-def one_buffer(named):
-    """``named``'s tensors moved into one flat buffer, as the torch trainer lays out its parameters
-    (what the colocated ``mapped`` push hands SGLang as one handle)."""
-    from train_backend.torch_backend import flatten_parameters
-
-    holder = torch.nn.Module()
-    for i, (_, t) in enumerate(named):
-        holder.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
-    flatten_parameters(holder)
-    return [(n, p) for (n, _), p in zip(named, holder.parameters())]
 
 
 def bench_set(name: str, args, work: Path, port: int) -> dict:
