@@ -29,7 +29,7 @@ from plugins.math_answers import answers_match, extract_answer
 from plugins.python_sandbox import PythonSandbox, SandboxLimits
 
 __all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
-           "make_bare_answer_env", "make_toy_tool_env"]
+           "make_number_answer_env", "make_number_answer_user_env", "make_bare_answer_env", "make_toy_tool_env"]
 
 #: The tool's schema, given to the chat template (templates that render tools list it).
 PYTHON_TOOL = {"type": "function", "function": {
@@ -72,8 +72,8 @@ class PythonToolEnv:
 
     ``system_prompt``: the first message (None: none; the sample's prompt follows as the user's
     message); ``answer_reward``: reward the final reply 1.0 when ``answer_matches(reply, label)``
-    (default: equal after stripping), else 0.0 (False: no reward from the environment, the run's
-    reward scores it; tool turns then score 0.0);
+    (default: equal after stripping), else 0.0, and each tool turn 0.0 (False: no reward from the
+    environment, the run's reward scores it);
     ``limits`` / ``max_concurrency``: the sandbox's; ``preamble(sample)``: code run before the
     model's in the same interpreter, unseen by the model (the task's inputs as variables);
     ``result_message(text)``: the message that brings the tool's answer back (default a ``tool``
