@@ -176,8 +176,8 @@ def _unplanes(planes: torch.Tensor, itemsize: int, dtype: torch.dtype) -> torch.
 class _Base:
     """What :func:`install` keeps per model: the last full value of every tensor loaded (HF names,
     the dtype it was loaded in, on the CPU; cast to the delta's dtype, the engine's, when the first
-    delta of that tensor arrives: the model holds the cast too). Which version it is, the trainer checks before it sends a delta
-    (the engine's ``/get_weight_version`` must be the delta's base)."""
+    delta of that tensor arrives: the model holds the cast too). Which version it is, the trainer
+    checks before it sends a delta (the engine's ``/get_weight_version`` must be the delta's base)."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}

@@ -25,7 +25,8 @@ release an engine reports (``io_struct.LoadLoRAAdapterFromTensorsReqInput`` of e
   takes the API key, never the admin key; from 0.5.22 it is ADMIN_OPTIONAL like the other LoRA routes.
 
 The payload is the same in all: ``{peft tensor name: tensor}`` pickled (``tensor_update.serialize``),
-with ``config_dict`` the ``adapter_config.json`` object.
+with ``config_dict`` the ``adapter_config.json`` object; only its CUDA tensors' device is named by
+UUID for 0.5.17+ and by index before (:func:`cuda_device_by_uuid`).
 """
 
 from __future__ import annotations
