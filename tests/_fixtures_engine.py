@@ -78,14 +78,15 @@ def hf_model(path: Path):
 
 def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     """Log-probs of ``response`` under a full forward over prompt+response (SGLang's definition:
-    log_softmax(logits / temperature), temperature 1 for greedy)."""
+    log_softmax(logits / temperature), temperature 1 for greedy), on the model's device."""
     import torch
 
-    ids = torch.tensor([prompt + response])  # [1, P+R]
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + response], device=device)  # [1, P+R]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # [R, V]
     lp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [R, V]
-    return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
+    return lp.gather(1, ids[0, len(prompt):, None]).squeeze(1).tolist()
 
 
 def write_weights(params: dict, new: dict, how: str) -> None:

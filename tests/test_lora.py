@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _fixtures_engine import engine_model  # noqa: F401
+from _fixtures_engine import engine_model, reference_logprobs  # noqa: F401
 from _fixtures_launcher import launcher_cmd, run_until_it_kills_itself
 from flags import from_args
 
@@ -150,15 +150,6 @@ def _trained_adapter(model_dir: Path, seed: int = 0):
     return model.eval()
 
 
-def _logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
-    import torch
-
-    ids = torch.tensor([prompt + out])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
-
-
 @pytest.mark.parametrize("transport", ["auto", "tensor"])  # auto: the adapter goes from disk
 def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_model, tmp_path,  # noqa: F811 (fixture)
                                                                        transport):
@@ -197,12 +188,12 @@ def test_engine_serves_base_plus_the_pushed_adapter_and_reads_it_back(engine_mod
                     got = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
                     if want is None:
                         with peft_model.disable_adapter():
-                            ref = _logprobs(peft_model, prompt, out)
+                            ref = reference_logprobs(peft_model, prompt, out, 1.0)
                     else:
-                        ref = _logprobs(want, prompt, out)
+                        ref = reference_logprobs(want, prompt, out, 1.0)
                     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
                 with peft_model.disable_adapter():  # the adapter changes the model: the check above can fail
-                    base_ref = _logprobs(peft_model, prompt, tuned["output_ids"])
+                    base_ref = reference_logprobs(peft_model, prompt, tuned["output_ids"], 1.0)
                 tuned_lps = [lp for lp, _, _ in tuned["meta_info"]["output_token_logprobs"]]
                 assert max(abs(a - b) for a, b in zip(tuned_lps, base_ref)) > 1e-2
                 # SGLang's /load_lora_adapter_from_tensors (the colocated route): the same adapter, another name
@@ -380,13 +371,15 @@ def test_sglang_serves_the_adapter_a_push_loads_from_disk(toy_model_dir, tmp_pat
             out = run(generate(lora_path))
             assert out["meta_info"]["weight_version"] == "2"
             got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-            want = _logprobs(ref, [1, 5, 6, 7, 8], out["output_ids"])
-            other = _logprobs(base if ref is tuned_ref else tuned_ref, [1, 5, 6, 7, 8], out["output_ids"])
+            want = reference_logprobs(ref, [1, 5, 6, 7, 8], out["output_ids"], 1.0)
+            other = reference_logprobs(base if ref is tuned_ref else tuned_ref, [1, 5, 6, 7, 8], out["output_ids"],
+                                       1.0)
             err = max(abs(a - b) for a, b in zip(got, want))
             print(lora_path, "max |sglang - reference|", err, "vs the other model", max(abs(a - b) for a, b in zip(got, other)))
             assert err < 0.1, (lora_path, got, want)
-        assert max(abs(a - b) for a, b in zip(_logprobs(base, [1, 5, 6, 7, 8], out["output_ids"]),
-                                              _logprobs(tuned_ref, [1, 5, 6, 7, 8], out["output_ids"]))) > 0.3
+        prompt, served = [1, 5, 6, 7, 8], out["output_ids"]
+        assert max(abs(a - b) for a, b in zip(reference_logprobs(base, prompt, served, 1.0),
+                                              reference_logprobs(tuned_ref, prompt, served, 1.0))) > 0.3
     finally:
         stop_sglang(proc)
         print((tmp_path / "sglang.log").read_text()[-3000:])

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _fixtures_engine import reference_logprobs
 from _fixtures_sglang import LAUNCHER_FLAGS, ROOT, sglang_available, start_sglang, stop_sglang
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900),  # SGLang's start-up: 50-120 s each
@@ -223,14 +224,6 @@ def _served(url: str, prompt: list[int], lora_path: str | None, n: int = 24) -> 
     return out["output_ids"], torch.tensor([lp for lp, *_ in meta["output_token_logprobs"]]), meta
 
 
-def _hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """The log-probs ``model`` gives ``output`` after ``prompt`` (teacher-forced, float32)."""
-    ids = torch.tensor([prompt + output], device="cuda")
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1).cpu()
-
-
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
 def test_lora_adapter_push_serves_the_trainers_adapter(lora_server, toy, tmp_path, transport):
     """``push_adapter`` (what ``--lora-rank`` pushes after each step) into real SGLang: colocated as
@@ -251,8 +244,9 @@ def test_lora_adapter_push_serves_the_trainers_adapter(lora_server, toy, tmp_pat
                  LoraSettings(rank=8, alpha=16.0, target_modules="all-linear"))
     base_out, sgl_base, _ = _served(lora_server, prompt, None)
     with model.disable_adapter():
-        hf_base = _hf_logprobs(model, prompt, base_out)
-    s = WeightSyncSettings(transport=transport, timeout_s=120, disk_dir=str(tmp_path / "adapters"), hf_checkpoint=str(toy))
+        hf_base = torch.tensor(reference_logprobs(model, prompt, base_out, 1.0))
+    s = WeightSyncSettings(transport=transport, timeout_s=120, disk_dir=str(tmp_path / "adapters"),
+                           hf_checkpoint=str(toy))
     rows = []
     with WeightSender(s) as sender:
         sender.connect([lora_server])
@@ -264,9 +258,9 @@ def test_lora_adapter_push_serves_the_trainers_adapter(lora_server, toy, tmp_pat
                         p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.2)
             m = sender.push_adapter(adapter_config(model, str(toy)), adapter_tensors(model), version)
             out, sgl_lora, meta = _served(lora_server, prompt, POLICY_ADAPTER)
-            hf_lora = _hf_logprobs(model, prompt, out)
+            hf_lora = torch.tensor(reference_logprobs(model, prompt, out, 1.0))
             with model.disable_adapter():
-                hf_base_on_out = _hf_logprobs(model, prompt, out)
+                hf_base_on_out = torch.tensor(reference_logprobs(model, prompt, out, 1.0))
             row = {"version": version, "push_s": m["weight_sync/time_s"], "bytes": m["weight_sync/bytes"],
                    "served_vs_trainer": float((sgl_lora - hf_lora).abs().max()),
                    "served_vs_base": float((sgl_lora - hf_base_on_out).abs().max()),
