@@ -1,17 +1,20 @@
-"""The TRL side of bench/e2e.py: the toy arithmetic task under TRL's ``GRPOTrainer`` on the CPU.
+"""The TRL side of bench/e2e.py: a race task under TRL's ``GRPOTrainer`` (the toy arithmetic task by
+default; ``--reward math`` and the flags below for SmolLM2's two-digit addition).
 
-Run as its own process (``python bench/_trl_toy.py --model-dir M --out-dir D ...``) so that its
+Run as its own process (``python bench/_trl_grpo.py --model-dir M --out-dir D ...``) so that its
 torch/threads state and imports do not mix with the Reservoir runs; it writes ``D/trl.json``
 (eval history with wall times, steps, steps/s) and ``D/trl_log.jsonl`` (TRL's per-step logs).
 
-Settings matched to examples/toy/grpo_cpu.yaml and Reservoir's TrainSettings defaults: lr 3e-4, WSD
-(constant, then linear to 0 over the last ``--decay-steps`` of ``--max-steps``), AdamW betas (0.9, 0.98), eps
-1e-8, weight decay 0, grad clip 1.0; 16 prompts x 8 generations per optimizer step (one generation
-batch = one optimizer step, num_iterations 1); 6 new tokens, temperature 1.0, no top-k/top-p; beta 0
-(no KL); loss ``dapo`` (token mean over the batch's active tokens = Reservoir's ``token_mean``) with
-group-std advantage scaling (= grpo); clip epsilon 0.2. Eval: greedy, 6 new tokens, the 64 eval
-prompts, every ``--eval-interval`` steps and before training, timed from the start of training (eval
-time included, as Reservoir's).
+Settings matched to Reservoir's config of the task (bench/e2e.py's ``TASKS`` passes them) and its
+TrainSettings defaults: ``--lr``, WSD (constant, then linear to 0 over the last ``--decay-steps`` of
+``--max-steps``; the toy config's) or constant (``--decay-steps 0``), AdamW betas (0.9, 0.98), eps
+1e-8, weight decay 0, grad clip 1.0; ``--prompts-per-step`` prompts x ``--generations`` per optimizer
+step (one generation batch = one optimizer step, num_iterations 1); ``--max-new-tokens``, temperature
+1.0, no top-k/top-p; beta 0 (no KL); loss ``dapo`` (token mean over the batch's active tokens =
+Reservoir's ``token_mean``) with group-std advantage scaling (= grpo); clip epsilon 0.2. The prompt is
+one user message under the tokenizer's chat template (as ``--apply-chat-template``). Eval: greedy,
+``--max-new-tokens``, every prompt of the eval file, every ``--eval-interval`` steps and before
+training, timed from the start of training (eval time included, as Reservoir's).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import argparse
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's plugins (the math rule)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -34,6 +40,14 @@ _TRAILING_SPECIAL = re.compile(r"(?:<\|?[A-Za-z_/][\w/]*\|?>|</s>)\s*$")  # as p
 def is_correct(response: str, label: str) -> bool:
     """The toy checker (plugins/rewards.py toy_arithmetic): the number, maybe then one special token."""
     return _TRAILING_SPECIAL.sub("", response, count=1).strip() == str(label).strip()
+
+
+def is_correct_math(response: str, label: str) -> bool:
+    """``--rm-type math``'s rule (plugins/rewards.py math_rm): the final answer (last ``\\boxed{}`` or
+    last number) equals the label's."""
+    from plugins.math_answers import answers_match, extract_answer, last_boxed
+
+    return answers_match(extract_answer(response), last_boxed(str(label)) or str(label))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -49,10 +63,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--decay-steps", type=int, default=200, help="the WSD schedule's linear decay at the end")
+    ap.add_argument("--decay-steps", type=int, default=200,
+                    help="the WSD schedule's linear decay at the end (0: a constant lr)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--generations", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=6, help="in rollouts and in the eval")
+    ap.add_argument("--reward", choices=["toy", "math"], default="toy")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: TRL trains and generates (HF generate) on the GPU, fp32 as Reservoir's trainer")
     args = ap.parse_args(argv)
+    correct = is_correct if args.reward == "toy" else is_correct_math
 
     import torch
     from datasets import Dataset
@@ -67,9 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
                             for r in train])
 
-    def toy_reward(prompts, completions, label, **kwargs) -> list[float]:
+    def task_reward(prompts, completions, label, **kwargs) -> list[float]:
         # conversational completions: [{"role": "assistant", "content": text}] (special tokens removed)
-        return [1.0 if is_correct(c[0]["content"], l) else 0.0 for c, l in zip(completions, label)]
+        return [1.0 if correct(c[0]["content"], l) else 0.0 for c, l in zip(completions, label)]
 
     eval_texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                           tokenize=False) for r in evals]
@@ -80,12 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
         m.eval()
         tok.padding_side = "left"
         enc = tok(eval_texts, return_tensors="pt", padding=True, add_special_tokens=False).to(m.device)
-        out = m.generate(**enc, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id,
+        out = m.generate(**enc, do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id)  # [64, T + <=6]
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         if was_training:
             m.train()
-        return sum(is_correct(t, r["label"]) for t, r in zip(texts, evals)) / len(evals)
+        return sum(correct(t, r["label"]) for t, r in zip(texts, evals)) / len(evals)
 
     history: list[dict] = []
     state_box: dict = {}
@@ -117,20 +138,22 @@ def main(argv: list[str] | None = None) -> dict:
             with open(args.out_dir / "trl_log.jsonl", "a") as f:
                 f.write(json.dumps({"step": state.global_step, "time": time.time(), **(logs or {})}) + "\n")
 
+    schedule = ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {
+        "num_decay_steps": args.decay_steps, "decay_type": "linear", "min_lr_ratio": 0.0}} if args.decay_steps
+                else {"lr_scheduler_type": "constant"})
     cfg = GRPOConfig(
         output_dir=str(args.out_dir / "trl_out"), use_cpu=args.device == "cpu", bf16=False, fp16=False,
         # the toy config's WSD: 3e-4 to step max_steps - decay_steps, then linear to 0 at max_steps
-        learning_rate=3e-4, lr_scheduler_type="warmup_stable_decay", warmup_steps=0,
-        lr_scheduler_kwargs={"num_decay_steps": args.decay_steps, "decay_type": "linear", "min_lr_ratio": 0.0},
+        learning_rate=args.lr, warmup_steps=0, **schedule,
         optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=128, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=8, num_iterations=1, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0,
+        per_device_train_batch_size=args.prompts_per_step * args.generations, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=args.generations, num_iterations=1, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
         max_steps=args.max_steps, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, use_vllm=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=toy_reward, args=cfg, train_dataset=ds,
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=cfg, train_dataset=ds,
                           processing_class=tok, callbacks=[EvalAndStop()])
     t_start = time.time()
     trainer.train()
