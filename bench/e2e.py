@@ -69,6 +69,7 @@ class Task(NamedTuple):
     max_steps: int
     eval_interval: int
     target: float  # eval accuracy
+    gpu_flags: tuple[str, ...] = ()  # Reservoir's launcher flags on the GPU beyond the config's
 
     @property
     def samples_per_step(self) -> int:
@@ -81,8 +82,11 @@ TASKS = {
                 wsd=True, max_steps=800, eval_interval=50, target=0.9),
     # SmolLM2-135M-Instruct on two-digit addition (examples/gpu/grpo_smollm2_colocate.yaml; the model from
     # scripts/convert_smollm2.py): eval 0.19-0.22 at step 0, 0.69-0.78 from step 5 to 20 in the recorded runs
+    # No --offload-train: the optimizer state of 135M parameters (~1 GiB) fits beside SGLang, and moving it
+    # to the host and back costs ~0.12 s a step (perf/offload_train_time + perf/onload_train_time,
+    # gpu_tier_2026-12-05/1500_smol_torch_float32_sglang_metrics.jsonl); TRL keeps it on the GPU too
     "smollm2": Task(None, "examples/gpu/grpo_smollm2_colocate.yaml", 32, 8, 48, 2e-6, "math",
-                    wsd=False, max_steps=40, eval_interval=2, target=0.7),
+                    wsd=False, max_steps=40, eval_interval=2, target=0.7, gpu_flags=("--no-offload-train",)),
 }
 SPLIT_KEYS = {"rollout": "perf/rollout_time", "buffer": "perf/buffer_wait_time", "train": "perf/train_time",
               "weight_sync": "perf/weight_sync_time"}
@@ -160,6 +164,8 @@ def run_reservoir(task: Task, mode: str, model: Path, out: Path, cap_s: float, m
         cmd += ["--use-tis"]
     if mode == "async_no_tis":  # async without the off-policy correction (its default turned off)
         cmd += ["--no-use-tis"]
+    if engine is not None:
+        cmd += task.gpu_flags
     if engine == "sglang":
         cmd += SGLANG_FLAGS
     metrics = out / "run" / "metrics.jsonl"
