@@ -22,9 +22,11 @@ def ws_toy_model(tmp_path_factory) -> Path:
     return out
 
 
-def start_engines(model: Path, n: int, ports: list[int] | None = None, weight_update_dirs: str = "") -> list[tuple]:
+def start_engines(model: Path, n: int, ports: list[int] | None = None, weight_update_dirs: str = "",
+                  dtype: str = "auto") -> list[tuple]:
     """Start ``n`` embedded engines on ``model`` in parallel; [(Popen, url)]. The caller stops them.
-    ``weight_update_dirs``: where ``/update_weights_from_disk`` may load from besides the model."""
+    ``weight_update_dirs``: where ``/update_weights_from_disk`` may load from besides the model;
+    ``dtype``: what they serve in (``auto``: float32 on the CPU)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from embedded_engine.launch import launch_engine_process
@@ -34,7 +36,7 @@ def start_engines(model: Path, n: int, ports: list[int] | None = None, weight_up
     with ThreadPoolExecutor(n) as ex:
         return list(ex.map(lambda p: launch_engine_process(
             EngineSettings(model_path=str(model), port=p, num_threads=1, max_running_requests=8,
-                           weight_update_dirs=weight_update_dirs), timeout_s=120),
+                           weight_update_dirs=weight_update_dirs, dtype=dtype), timeout_s=120),
             ports))
 
 

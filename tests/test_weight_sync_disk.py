@@ -1,4 +1,5 @@
-"""The disk fallback writes a checkpoint that transformers loads, with the pushed values."""
+"""The disk fallback writes a checkpoint that transformers loads, with the pushed values, in the
+dtype the engines serve."""
 
 from __future__ import annotations
 
@@ -40,6 +41,45 @@ def test_retry_replaces_and_old_versions_are_pruned(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "weights_v3" / "model.safetensors")["w"], named[0][1])
+
+
+def test_each_tensor_is_written_in_the_dtype_given(tmp_path):
+    from safetensors.torch import load_file
+
+    w, ids = torch.randn(4, 3), torch.arange(5)
+    path = write_hf_checkpoint([("w", w), ("ids", ids)], tmp_path, version=1, dtypes=["bfloat16", "int64"])
+    got = load_file(path / "model.safetensors")
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], w.to(torch.bfloat16))
+    assert torch.equal(got["ids"], ids) and w.dtype == torch.float32  # the trainer's tensor is left as it was
+    with pytest.raises(ValueError, match="1 dtypes for 2 tensors"):
+        write_hf_checkpoint([("w", w), ("ids", ids)], tmp_path, version=2, dtypes=["bfloat16"])
+
+
+def test_a_bf16_engine_gets_a_bf16_checkpoint(ws_toy_model, tmp_path):  # noqa: F811
+    """The disk transport writes what the engines serve (as the tensor and distributed transports
+    send it): a float32 trainer's push to a bfloat16 engine is a bfloat16 checkpoint, half the bytes,
+    and the engine then holds exactly the trainer's weights cast to bfloat16 (checked by reading
+    them back, --check-weight-update-equal)."""
+    from safetensors import safe_open
+
+    from tests._fixtures_weight_sync import perturbed_model, start_engines, stop_engines
+    from weight_sync.interfaces import WeightSyncSettings
+    from weight_sync.sender import WeightSender
+
+    es = start_engines(ws_toy_model, 1, weight_update_dirs=str(tmp_path), dtype="bfloat16")
+    try:
+        s = WeightSyncSettings(transport="disk", disk_dir=str(tmp_path / "w"), hf_checkpoint=str(ws_toy_model),
+                               check_equal=True, timeout_s=60)
+        new = perturbed_model(ws_toy_model, 0.9)
+        with WeightSender(s) as sender:
+            sender.connect([es[0][1]])
+            m = sender.push(new.named_parameters(), version=4)
+        assert m["weight_sync/check_s"] > 0 and _served(es[0][1]) == "4"
+        with safe_open(str(checkpoint_dir(tmp_path / "w", 4) / "model.safetensors"), "pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert dtypes == {"BF16"}, dtypes
+    finally:
+        stop_engines(es)
 
 
 # --- slime's --custom-update-weight-post-write-path, through the disk transport to a real engine ---------------

@@ -30,13 +30,15 @@ def checkpoint_dir(disk_dir: str | Path, version: int) -> Path:
 
 def write_hf_checkpoint(named: list[tuple[str, torch.Tensor]], disk_dir: str | Path, version: int,
                         hf_checkpoint: str | Path | None = None, keep: int = 2,
-                        max_shard_size: str | int = _MAX_SHARD) -> Path:
+                        max_shard_size: str | int = _MAX_SHARD, dtypes: list[str] | None = None) -> Path:
     """Write ``named`` as safetensors shards in ``checkpoint_dir(disk_dir, version)``; return it.
 
     Config/tokenizer files of ``hf_checkpoint`` are copied beside the weights (without them the
     directory has weights only, which ``/update_weights_from_disk`` of SGLang and the embedded
     engine accept, but ``from_pretrained`` does not). Tensors are copied to CPU and made
     contiguous; tensors sharing storage (tied weights) are written as separate copies.
+    ``dtypes`` (one torch dtype name per tensor, e.g. the engines' ``bfloat16``): each tensor is
+    written in it, cast in the same copy; the engines read the values they would have cast to.
     """
     final = checkpoint_dir(disk_dir, version)
     tmp = final.with_name(final.name + ".tmp")
@@ -46,7 +48,10 @@ def write_hf_checkpoint(named: list[tuple[str, torch.Tensor]], disk_dir: str | P
     if hf_checkpoint is not None:
         _copy_non_weight_files(Path(hf_checkpoint), tmp)
     # Clone on CPU: safetensors refuses shared storage, and the trainer may be on a GPU.
-    state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named}
+    want = [None] * len(named) if dtypes is None else [getattr(torch, d) for d in dtypes]
+    if len(want) != len(named):
+        raise ValueError(f"write_hf_checkpoint: {len(want)} dtypes for {len(named)} tensors")
+    state = {name: t.detach().to("cpu", dtype=d, copy=True).contiguous() for (name, t), d in zip(named, want)}
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})

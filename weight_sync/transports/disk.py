@@ -8,6 +8,7 @@ filesystem. A push writes the weights as an HF checkpoint (``weight_sync/disk.py
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Callable
@@ -41,8 +42,15 @@ class DiskTransport(Transport):
         the engines took to load it."""
         s = self.settings
         loop = asyncio.get_running_loop()
-        path = await loop.run_in_executor(None, disk.write_hf_checkpoint, payload.named, s.disk_dir, version,
-                                          s.hf_checkpoint, s.disk_keep)
+        # each tensor in the dtype it travels in (the engines' own, as the other transports cast): a bf16
+        # engine reads half the bytes, and the same values it would have cast to on load
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in payload.named]
+        for b in payload.buckets:
+            for i, spec in zip(b.indices, b.specs):
+                dtypes[i] = spec.dtype
+        path = await loop.run_in_executor(None, functools.partial(
+            disk.write_hf_checkpoint, payload.named, s.disk_dir, version, s.hf_checkpoint, s.disk_keep,
+            dtypes=dtypes))
         await self._post_write(path, members, version)
         t = time.perf_counter()
         await call_all(members, lambda c: c.update_weights_from_disk(str(path), str(version),
