@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "bench" / "results" / "e2e.json"
-RESULT_GPU = ROOT / "bench" / "results" / "e2e_gpu.json"
+RESULTS = ROOT / "bench" / "results"  # <name>.json: e2e, e2e_gpu, e2e_gpu_smollm2
 # what the SGLang 0.5.15.post1 bundle of ../shared/device needs (no FA3, no grammar backend), and a
 # static memory fraction that leaves the colocated trainer room
 SGLANG_FLAGS = ["--rollout-engine", "sglang", "--sglang-attention-backend", "triton", "--sglang-sampling-backend",
@@ -81,7 +80,7 @@ TASKS = {
     "toy": Task("examples/toy/grpo_cpu.yaml", "examples/gpu/grpo_colocate_1gpu.yaml", 16, 8, 6, 3e-4, "toy",
                 wsd=True, max_steps=800, eval_interval=50, target=0.9),
     # SmolLM2-135M-Instruct on two-digit addition (examples/gpu/grpo_smollm2_colocate.yaml; the model from
-    # scripts/convert_smollm2.py): eval 0.19-0.22 at step 0, 0.69-0.78 from step 5 to 20 in the recorded runs
+    # scripts/convert_smollm2.py): eval 0.19-0.22 at step 0, 0.69-0.78 from step 5 to 20 in the recorded runs.
     # No --offload-train: the optimizer state of 135M parameters (~1 GiB) fits beside SGLang, and moving it
     # to the host and back costs ~0.12 s a step (perf/offload_train_time + perf/onload_train_time,
     # gpu_tier_2026-12-05/1500_smol_torch_float32_sglang_metrics.jsonl); TRL keeps it on the GPU too
@@ -353,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     task = TASKS[args.task]
     name = ("e2e_gpu" if args.gpu else "e2e") + ("" if args.task == "toy" else f"_{args.task}")
-    args.out = args.out or ROOT / "bench" / "results" / f"{name}.json"
+    args.out = args.out or RESULTS / f"{name}.json"
     if args.merge:
         return merge(args.merge, args.out)
     target = task.target if args.target is None else args.target
