@@ -342,9 +342,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cap-s", type=float, default=540.0, help="per Reservoir run, from process start")
     ap.add_argument("--trl-cap-s", type=float, default=720.0, help="TRL run, from the start of training")
     ap.add_argument("--max-steps", type=int, default=None, help="default: the task's (toy 800, smollm2 40)")
-    ap.add_argument("--target", type=float, default=None, help="eval accuracy; default: the task's (toy 0.9, smollm2 0.7)")
+    ap.add_argument("--target", type=float, default=None,
+                    help="eval accuracy; default: the task's (toy 0.9, smollm2 0.7)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="the results file, its .png beside it (default: bench/results/e2e.json, with --gpu e2e_gpu.json)")
+                    help="the results file, its .png beside it (default: bench/results/ e2e.json, with --gpu "
+                         "e2e_gpu.json, with --task smollm2 e2e_gpu_smollm2.json)")
     ap.add_argument("--gpu", action="store_true", help="the race on one GPU: TRL on CUDA, Reservoir colocated")
     ap.add_argument("--engine", choices=["sglang", "embedded"], default="sglang", help="Reservoir's engine with --gpu")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="FILE",
