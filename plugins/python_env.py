@@ -6,6 +6,7 @@ For ``--agent-env`` (``rollout_manager/agent.py``)::
     --agent-env plugins.python_env.make_answer_env          # reward 1.0 when the final reply is the label
     --agent-env plugins.python_env.make_number_answer_env   # reward 1.0 when its final number is the label
     --agent-env plugins.python_env.make_number_answer_user_env  # the same, the tool's answer as a user turn
+    --agent-env plugins.python_env.make_shaped_user_env     # the same, partial credit for printing the label
     --agent-env plugins.python_env.make_bare_answer_env     # make_answer_env without a system prompt
     --agent-env plugins.python_env.make_toy_tool_env        # the toy tool task's (the question as the variable q)
 
@@ -29,7 +30,8 @@ from plugins.math_answers import answers_match, extract_answer
 from plugins.python_sandbox import PythonSandbox, SandboxLimits
 
 __all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
-           "make_number_answer_env", "make_number_answer_user_env", "make_bare_answer_env", "make_toy_tool_env"]
+           "make_number_answer_env", "make_number_answer_user_env", "make_shaped_user_env",
+           "make_bare_answer_env", "make_toy_tool_env"]
 
 #: The tool's schema, given to the chat template (templates that render tools list it).
 PYTHON_TOOL = {"type": "function", "function": {
@@ -77,13 +79,29 @@ class PythonToolEnv:
     ``limits`` / ``max_concurrency``: the sandbox's; ``preamble(sample)``: code run before the
     model's in the same interpreter, unseen by the model (the task's inputs as variables);
     ``result_message(text)``: the message that brings the tool's answer back (default a ``tool``
-    turn; a model never trained on a tool role may read a ``user`` turn better)."""
+    turn; a model never trained on a tool role may read a ``user`` turn better);
+    ``tool_answer_reward`` (with ``answer_reward``): partial credit, in [0, 1), for the first tool
+    turn of an episode whose output ``answer_matches`` the label (later ones earn nothing, so
+    repeated calls cannot farm it); a right final answer then earns ``1.0`` less what the episode
+    earned before, so an episode's total (the sum of its turn rewards) is 1.0 when the final answer
+    is right, ``tool_answer_reward`` when only the tool's output was, else 0.0.
+
+    With ``answer_reward`` every step's ``info`` says ``"correct"`` (``False`` on tool turns, the
+    match on the final answer): the agent loop keeps it as ``sample.metadata["correct"]``, so
+    ``eval/accuracy`` counts right final answers, not the partial credit."""
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, answer_reward: bool = False,
                  limits: SandboxLimits | None = None, max_concurrency: int = 4, max_output_chars: int = 512,
                  preamble: Callable[[Any], str] | None = None,
                  answer_matches: Callable[[str, str], bool] = lambda reply, label: reply.strip() == label.strip(),
-                 result_message: Callable[[str], dict] = lambda text: {"role": "tool", "content": text}):
+                 result_message: Callable[[str], dict] = lambda text: {"role": "tool", "content": text},
+                 tool_answer_reward: float = 0.0):
+        if not 0.0 <= tool_answer_reward < 1.0:
+            raise ValueError(f"PythonToolEnv: tool_answer_reward {tool_answer_reward!r} must be in [0, 1)")
+        if tool_answer_reward and not answer_reward:
+            raise ValueError("PythonToolEnv: tool_answer_reward needs answer_reward=True (the run's reward scores "
+                             "the episode otherwise)")
+        self.tool_answer_reward = tool_answer_reward
         self.system_prompt = system_prompt
         self.result_message = result_message
         self.answer_matches = answer_matches
@@ -104,10 +122,11 @@ class PythonToolEnv:
         """Run the reply's code (a tool message back), or end the episode on a reply without code."""
         code = extract_code(reply)
         if code is None:
-            reward = None
-            if self.answer_reward:
-                reward = 1.0 if sample.label is not None and self.answer_matches(reply, str(sample.label)) else 0.0
-            return [], True, reward, {"tool_calls": 0}
+            if not self.answer_reward:
+                return [], True, None, {"tool_calls": 0}
+            right = self._matches(reply, sample)
+            reward = 1.0 - _episode_state(sample).get("earned", 0.0) if right else 0.0
+            return [], True, reward, {"tool_calls": 0, "correct": right}
         cell = as_cell(code)
         if self.preamble is not None:
             cell = self.preamble(sample) + "\n" + cell
@@ -121,9 +140,25 @@ class PythonToolEnv:
             text = lines[-1] if lines else f"error: exit code {result.exit_code}"
         text = text.strip()[:self.max_output_chars]
         info = {"tool_calls": 1, "tool_errors": 0 if result.ok else 1, "tool_time_s": [result.wall_s]}
-        # with answer_reward the episode's reward is the environment's alone: a tool turn scores 0, so an
-        # episode cut off after a tool call is not scored by the run's rule (which could read the tool's output)
-        return [self.result_message(text)], False, 0.0 if self.answer_reward else None, info
+        if not self.answer_reward:
+            return [self.result_message(text)], False, None, info
+        # with answer_reward the episode's reward is the environment's alone: a tool turn scores 0 (or its
+        # partial credit), so an episode cut off after a tool call is not scored by the run's rule (which
+        # could read the tool's output)
+        reward, state = 0.0, _episode_state(sample)
+        if self.tool_answer_reward and "earned" not in state and result.ok and self._matches(text, sample):
+            reward = state["earned"] = self.tool_answer_reward
+        info["correct"] = False  # not answered yet: accuracy counts final answers only
+        return [self.result_message(text)], False, reward, info
+
+    def _matches(self, text: str, sample: Any) -> bool:
+        return sample.label is not None and self.answer_matches(text, str(sample.label))
+
+
+def _episode_state(sample: Any) -> dict:
+    """The environment's per-episode dict, ``sample.metadata["agent"]["env"]`` (the agent loop's
+    contract, ``rollout_manager/agent.py``: kept with the sample, emptied when the episode restarts)."""
+    return sample.metadata.setdefault("agent", {}).setdefault("env", {})
 
 
 def make_env(args: Any) -> PythonToolEnv:
@@ -153,12 +188,35 @@ def make_number_answer_env(args: Any) -> PythonToolEnv:
 OUTPUT_AS_USER = "The code printed: {}\nReply with the number alone."
 
 
+def _output_as_user(text: str) -> dict:
+    return {"role": "user", "content": OUTPUT_AS_USER.format(text)}
+
+
 def make_number_answer_user_env(args: Any) -> PythonToolEnv:
     """``--agent-env`` factory: ``make_number_answer_env`` whose tool answers come back as a user
     turn (:data:`OUTPUT_AS_USER`), for chat models without a tool role. The SmolLM2 tool task
     (``examples/gpu/agent_smollm2_python_tool.yaml``)."""
     return PythonToolEnv(answer_reward=True, answer_matches=_number_matches,
-                         result_message=lambda text: {"role": "user", "content": OUTPUT_AS_USER.format(text)})
+                         result_message=_output_as_user)
+
+
+#: The SmolLM2 tool task's partial credit for a tool turn that prints the product (``make_shaped_user_env``).
+TOOL_ANSWER_REWARD = 0.2
+
+
+def make_shaped_user_env(args: Any) -> PythonToolEnv:
+    """``--agent-env`` factory: ``make_number_answer_user_env`` with a shaped reward,
+    :data:`TOOL_ANSWER_REWARD` for the episode's first tool output whose last number is the label,
+    the rest of 1.0 for a right final answer (see ``PythonToolEnv``). The SmolLM2 tool task
+    (``examples/gpu/agent_smollm2_python_tool.yaml``): with the final answer alone rewarded its start
+    policy succeeded in ~2.5% of episodes (2 of 36 first replies printed the product, 16 of 36 final
+    replies copied it), too rare for GRPO to see in most groups; the credit rewards the half of the
+    task it hits first (computing the product with the tool) and still leaves 0.8 for copying it.
+    Under GRPO's per-group normalization a group whose best episode only printed the product pushes
+    towards it as hard as one with a right answer; ``eval/accuracy`` still counts right final
+    answers only (the steps' ``info["correct"]``)."""
+    return PythonToolEnv(answer_reward=True, answer_matches=_number_matches, tool_answer_reward=TOOL_ANSWER_REWARD,
+                         result_message=_output_as_user)
 
 
 def make_bare_answer_env(args: Any) -> PythonToolEnv:

@@ -10,8 +10,10 @@ from _fixtures_rollout import running_manager, toy_argv
 from transformers import AutoTokenizer
 
 from buffer.sample import Sample, Status
-from plugins.python_env import (PYTHON_TOOL, PythonToolEnv, as_cell, extract_code, make_env, make_number_answer_env,
-                                make_number_answer_user_env)
+import pytest
+
+from plugins.python_env import (PYTHON_TOOL, TOOL_ANSWER_REWARD, PythonToolEnv, as_cell, extract_code, make_env,
+                                make_number_answer_env, make_number_answer_user_env, make_shaped_user_env)
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks
 
 
@@ -61,6 +63,39 @@ def test_number_answer_env_reads_the_final_number_and_plain_env_leaves_the_rewar
     messages, done, reward, info = asyncio.run(make_number_answer_user_env(None).step(sample, "```python\n341 * 48\n```"))
     assert messages == [{"role": "user", "content": "The code printed: 16368\nReply with the number alone."}]
     assert (done, reward, info["tool_calls"]) == (False, 0.0, 1)
+
+
+def _episode(env, replies: list[str], label: str = "16368") -> tuple[list, list, Sample]:
+    """Step ``env`` through ``replies`` on a fresh sample: each turn's reward and ``info["correct"]``."""
+    sample = Sample(prompt="What is 341 * 48? Use Python.", label=label)
+
+    async def go():
+        return [await env.step(sample, r) for r in replies]
+    steps = asyncio.run(go())
+    return [s[2] for s in steps], [s[3].get("correct") for s in steps], sample
+
+
+def test_shaped_reward_credits_the_first_right_tool_output_once_and_totals_one():
+    """make_shaped_user_env (the SmolLM2 tool config's): a tool output whose last number is the label
+    earns TOOL_ANSWER_REWARD once; a right final answer the rest of 1.0; every step marks correct."""
+    env, r = make_shaped_user_env(None), TOOL_ANSWER_REWARD
+    code, wrong_code = "```python\nprint(341 * 48)\n```", "```python\nprint(341 * 47)\n```"
+    rewards, correct, sample = _episode(env, [code, "```python\nx = 341 * 48\nf'341*48 = {x}'\n```", "16368"])
+    assert rewards == [r, 0.0, 1.0 - r] and sum(rewards) == 1.0  # a second right output earns nothing
+    assert correct == [False, False, True]
+    assert sample.metadata["agent"]["env"] == {"earned": r}  # the episode's state, where the loop keeps it
+    assert _episode(env, [code, "1636"])[:2] == ([r, 0.0], [False, False])  # only the tool was right
+    assert _episode(env, [wrong_code, code, "16368"])[0] == [0.0, r, 1.0 - r]
+    assert _episode(env, [wrong_code, "16368"])[0] == [0.0, 1.0]  # right without the tool's help
+    assert _episode(env, ["16368"])[:2] == ([1.0], [True])
+    assert _episode(env, ["```python\nprint(16368 +)\n```", "no idea"])[:2] == ([0.0, 0.0], [False, False])
+    # the unshaped env gives no tool credit, and marks the same way
+    assert _episode(make_number_answer_user_env(None), [code, "16368"])[:2] == ([0.0, 1.0], [False, True])
+    assert _episode(make_env(None), [code, "16368"])[:2] == ([None, None], [None, None])  # the run's reward
+    for bad, why in (({"tool_answer_reward": 1.0, "answer_reward": True}, "in \\[0, 1\\)"),
+                     ({"tool_answer_reward": 0.2}, "needs answer_reward=True")):
+        with pytest.raises(ValueError, match=why):
+            PythonToolEnv(**bad)
 
 
 def test_episode_with_the_python_tool(toy_model_dir):
