@@ -16,7 +16,12 @@ plain or an async function (plain ones run in a plugin thread, never on the even
         follows it (tool results, a user turn), appended as one group; ``done``: the episode is
         over; ``reward``: a float for this reply, or None. ``info`` (optional): ``{"tool_calls":
         int, "tool_errors": int, "tool_time_s": [float]}`` for the metrics (default: one call per
-        ``tool`` message, no errors, the step's time).
+        ``tool`` message, no errors, the step's time), and ``"correct": bool``, whether the episode's
+        answer is right so far: the loop keeps the last one given as ``sample.metadata["correct"]``
+        (``buffer.sample.CORRECT``), which ``eval/accuracy`` (and ``rollout/accuracy``) count in
+        place of the reward. An environment whose reward gives partial credit (a shaped reward)
+        marks every step (``False`` until a right final answer), so accuracy stays the fraction of
+        right final answers; where nothing marks a sample, its reward counts, as before.
 
 Per-episode state an environment needs goes in ``sample.metadata["agent"]["env"]`` (a dict, kept
 with the sample, cleared when the episode restarts). The built-in ``plugins.python_env.make_env``
@@ -53,7 +58,7 @@ import functools
 import time
 from typing import Any
 
-from buffer.sample import Sample, Status
+from buffer.sample import CORRECT, Sample, Status
 from plugins.chat_append import (PROMPT_STANDIN, ChatAppendError, append_ids, check_append_stable, close_remainder,
                                  render_ids, template_close)
 from plugins.loader import load_function
@@ -122,6 +127,7 @@ async def _start(ctx: Any, env: Any, sample: Sample, render_prompt: bool) -> dic
              "tool_errors": 0, "tool_time_s": [], "loop_lag_s": [], "env": {}}
     sample.metadata[AGENT_STATE] = state
     sample.metadata[AGENT_TURNS] = []
+    sample.metadata.pop(CORRECT, None)  # an earlier try's answer says nothing of this episode's
     return state
 
 
@@ -149,6 +155,10 @@ async def _step_env(env: Any, sample: Sample, reply: str, state: dict) -> tuple[
     info = out[3] if len(out) == 4 and isinstance(out[3], dict) else {}
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
         raise TypeError(f"{_FLAG} step() returned reward {reward!r}, expected a number or None")
+    if "correct" in info:
+        if not isinstance(info["correct"], bool):
+            raise TypeError(f"{_FLAG} step() returned info['correct'] {info['correct']!r}, expected a bool")
+        sample.metadata[CORRECT] = info["correct"]
     calls = info.get("tool_calls", sum(m.get("role") == "tool" for m in messages))
     state["tool_calls"] += int(calls)
     state["tool_errors"] += int(info.get("tool_errors", 0))
