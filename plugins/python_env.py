@@ -29,7 +29,7 @@ from typing import Any, Callable
 from plugins.math_answers import answers_match, extract_answer
 from plugins.python_sandbox import PythonSandbox, SandboxLimits
 
-__all__ = ["PYTHON_TOOL", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
+__all__ = ["PYTHON_TOOL", "CODE_BLOCK_STOP", "PythonToolEnv", "extract_code", "as_cell", "make_env", "make_answer_env",
            "make_number_answer_env", "make_number_answer_user_env", "make_shaped_user_env",
            "make_bare_answer_env", "make_toy_tool_env"]
 
@@ -40,6 +40,12 @@ PYTHON_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 SYSTEM_PROMPT = ("You can run Python code: write it in a ```python code block and its output comes back to you. "
                  "When you know the answer, reply with the answer alone, without code.")
+#: A stop string (``--rollout-stop``) that ends a model turn right after its closed code block, so the
+#: model cannot ramble on past it. The opening ``` ```python\n``` does not hold it; a bare opening fence
+#: after text (``\n```\n``) does, and ``PythonToolEnv.continue_turn`` then has the agent loop generate on
+#: in the same turn. SGLang and the embedded engine match it on the decoded text; the rollout keeps it
+#: in the reply (``no_stop_trim``), so ``extract_code`` finds the block.
+CODE_BLOCK_STOP = "\n```\n"
 _FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 _TAGGED = re.compile(r"<code>(.*?)</code>", re.S)
 
@@ -150,6 +156,12 @@ class PythonToolEnv:
             reward = state["earned"] = self.tool_answer_reward
         info["correct"] = False  # not answered yet: accuracy counts final answers only
         return [self.result_message(text)], False, reward, info
+
+    def continue_turn(self, sample: Any, reply: str) -> bool:
+        """A turn that a stop string (``--rollout-stop``, e.g. :data:`CODE_BLOCK_STOP`) ended inside an
+        open code fence goes on (the agent loop generates on in it): the stop fired at an opening
+        fence (a bare ``\n```\n`` after text), not at a block's close."""
+        return reply.count("```") % 2 == 1
 
     def _matches(self, text: str, sample: Any) -> bool:
         return sample.label is not None and self.answer_matches(text, str(sample.label))

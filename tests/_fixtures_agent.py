@@ -51,6 +51,20 @@ def two_turns_marked(args):
     return MarkingEnv(None)
 
 
+class ContinuingEnv(ScriptedEnv):
+    """``ScriptedEnv`` (done after two model turns) whose ``continue_turn`` has a turn that ended without
+    the template's close generate on once (while its reply holds the engine's answer once)."""
+
+    def continue_turn(self, sample, reply):
+        SEEN.setdefault("continue_asked", []).append(reply)
+        return reply.count("2+2") == 1
+
+
+def continuing(args):
+    """Done after two model turns, each generated in two requests."""
+    return ContinuingEnv(2)
+
+
 def three_turns(args):
     """Done after three model turns."""
     return ScriptedEnv(3)

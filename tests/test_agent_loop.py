@@ -112,6 +112,34 @@ def test_accuracy_is_the_marks_where_given_else_the_reward():
         sample(1.0, 1).correctness()
 
 
+def test_a_turn_ended_by_a_stop_string_goes_on_when_the_env_says_so(toy_model_dir):
+    """A model turn without the template's close (as a --rollout-stop string ends it) is offered to
+    continue_turn; True generates on in the same turn (one model turn, two engine answers)."""
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    ids = tok("<code>2+2</code>", add_special_tokens=False)["input_ids"]  # no <eos>: a stop string fired
+    reset_seen()
+
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", f"--output-ids {','.join(map(str, ids))}",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "1", "--rollout-max-response-len", "200",
+                        "--agent-env", "_fixtures_agent.continuing", "--tito-check", "fail")
+        async with running_manager(argv) as m:
+            return await m.generate(0)
+    groups, metrics = asyncio.run(go())
+    for s in groups[0]:
+        turns = _check_turns(s, ids)
+        assert [t["kind"] for t in turns] == ["model", "env", "model"] and s.status == Status.COMPLETED
+        for t in turns[::2]:
+            assert s.tokens[t["start"]:t["end"]] == ids + ids  # two engine answers in one turn
+    assert SEEN["replies"] == ["<code>2+2</code>" * 2] * 4  # the environment stepped on whole turns only
+    assert len(SEEN["continue_asked"]) == 8 and metrics["rollout/agent/turns_mean"] == 2
+    assert metrics["rollout/tito/checked"] == 2 and not any(k.startswith("rollout/tito/") and k.split("/")[-1] in (
+        "prompt_mismatch", "not_append_only", "mask_outside_engine", "mask_inside_engine") for k in metrics)
+    # a turn that ends with the template's close is never offered (the model ended it)
+    _run(toy_model_dir, "--agent-env", "_fixtures_agent.continuing")
+    assert "continue_asked" not in SEEN and SEEN["replies"] == ["<code>2+2</code>"] * 8  # 4 samples x 2 turns
+
+
 def test_max_turns_ends_the_episode(toy_model_dir):
     samples, metrics, ids = _run(toy_model_dir, "--agent-env", "_fixtures_agent.endless", "--agent-max-turns", "2")
     for s in samples:

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from buffer.sample import Sample, Status
 import pytest
 
-from plugins.python_env import (PYTHON_TOOL, TOOL_ANSWER_REWARD, PythonToolEnv, as_cell, extract_code, make_env,
+from plugins.python_env import (CODE_BLOCK_STOP, PYTHON_TOOL, TOOL_ANSWER_REWARD, PythonToolEnv, as_cell, extract_code, make_env,
                                 make_number_answer_env, make_number_answer_user_env, make_shaped_user_env)
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks
 
@@ -96,6 +96,59 @@ def test_shaped_reward_credits_the_first_right_tool_output_once_and_totals_one()
                      ({"tool_answer_reward": 0.2}, "needs answer_reward=True")):
         with pytest.raises(ValueError, match=why):
             PythonToolEnv(**bad)
+
+
+def _first_stop(tok, text: str, stop: list[str]) -> str | None:
+    """What the embedded engine generates of ``text`` under ``stop`` (fed one token at a time to its
+    scheduler's match, as decoding does): the decoded output up to the token that ends it; None when
+    no stop fires."""
+    from types import SimpleNamespace
+
+    from embedded_engine.protocol import SamplingParams
+    from embedded_engine.scheduler import Scheduler
+
+    engine = SimpleNamespace(runner=SimpleNamespace(tokenizer=tok))
+    req = SimpleNamespace(params=SamplingParams(stop=tuple(stop), skip_special_tokens=False), output_ids=[])
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        req.output_ids.append(t)
+        if Scheduler._match_stop_str(engine, req) is not None:
+            return tok.decode(req.output_ids)
+    return None
+
+
+def _fence_tokenizer():
+    """A byte-level BPE tokenizer (SmolLM2's kind; the toy's has no backtick) trained here on a few
+    replies: it splits them as SmolLM2's does (``'```'``, ``'python'``, ``'\\n'``, ...)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["Sure:\n```python\nprint(341 * 48)\n```\nThe answer is 16368."] * 50
+                            + ["Here:\n```\nx = 1\n```\n\nok"] * 20, vocab_size=300, show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+
+
+def test_code_block_stop_ends_the_turn_after_the_closed_block_only():
+    """CODE_BLOCK_STOP (the SmolLM2 tool config's --rollout-stop) on the embedded engine's match:
+    not at a ```python fence, right after the closing one; the kept reply still holds the code; at a
+    bare opening fence PythonToolEnv.continue_turn says go on."""
+    tok = _fence_tokenizer()
+    assert "```" in [tok.decode([t]) for t in tok("```python\n", add_special_tokens=False)["input_ids"]]
+    reply = "Sure:\n```python\nprint(341 * 48)\n```\nThe answer is 16368, because 341 * 48 is"
+    kept = _first_stop(tok, reply, [CODE_BLOCK_STOP])
+    assert kept == "Sure:\n```python\nprint(341 * 48)\n```\n" and extract_code(kept) == "print(341 * 48)\n"
+    assert _first_stop(tok, "```python\nx = 341 * 48\nprint(x)", [CODE_BLOCK_STOP]) is None  # still open
+    assert _first_stop(tok, "The answer is 16368.", [CODE_BLOCK_STOP]) is None
+    env = PythonToolEnv()
+    assert not env.continue_turn(None, kept)  # the block is closed: the turn is over
+    # a bare opening fence after text stops it too, before its code: continue_turn has the loop go on,
+    # and the stop fires again (on the new text only) at the close
+    bare = "Here:\n```\nprint(1)\n```\nok"
+    cut = _first_stop(tok, bare, [CODE_BLOCK_STOP])
+    assert cut == "Here:\n```\n" and extract_code(cut) is None and env.continue_turn(None, cut)
+    rest = _first_stop(tok, bare[len(cut):], [CODE_BLOCK_STOP])
+    assert rest == "print(1)\n```\n" and extract_code(cut + rest) == "print(1)\n"
+    assert not env.continue_turn(None, cut + rest)
 
 
 def test_episode_with_the_python_tool(toy_model_dir):
