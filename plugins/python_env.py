@@ -46,12 +46,13 @@ SYSTEM_PROMPT = ("You can run Python code: write it in a ```python code block an
 #: in the same turn. SGLang and the embedded engine match it on the decoded text; the rollout keeps it
 #: in the reply (``no_stop_trim``), so ``extract_code`` finds the block.
 CODE_BLOCK_STOP = "\n```\n"
-_FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+_FENCED = re.compile(r"```(?:python3?|py)?\s*\n(.*?)```", re.S)
 _TAGGED = re.compile(r"<code>(.*?)</code>", re.S)
 
 
 def extract_code(reply: str) -> str | None:
-    """The code of a reply: its last fenced python block, else its last ``<code>`` block; None."""
+    """The code of a reply: its last fenced block (``python``, ``python3``, ``py`` or no language),
+    else its last ``<code>`` block; None."""
     for pattern in (_FENCED, _TAGGED):
         found = pattern.findall(reply)
         if found:

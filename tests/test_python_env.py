@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from _fixtures_rollout import running_manager, toy_argv
 from transformers import AutoTokenizer
 
 from buffer.sample import Sample, Status
-import pytest
-
-from plugins.python_env import (CODE_BLOCK_STOP, PYTHON_TOOL, TOOL_ANSWER_REWARD, PythonToolEnv, as_cell, extract_code, make_env,
-                                make_number_answer_env, make_number_answer_user_env, make_shaped_user_env)
+from plugins.python_env import (CODE_BLOCK_STOP, PYTHON_TOOL, TOOL_ANSWER_REWARD, PythonToolEnv, as_cell,
+                                extract_code, make_env, make_number_answer_env, make_number_answer_user_env,
+                                make_shaped_user_env)
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks
 
 
@@ -21,6 +21,7 @@ def test_extract_code_and_cell():
     assert extract_code("let me see\n```python\nx = 6\nprint(x * 7)\n```\ndone") == "x = 6\nprint(x * 7)\n"
     assert extract_code("<code>1+1</code> then <code>37*48</code>") == "37*48"
     assert extract_code("The answer is 1776.") is None
+    assert extract_code("```python3\nprint(2)\n```") == "print(2)\n"  # SmolLM2 writes python3 at times
     assert as_cell("x = 6\nx * 7") == "x = 6\nprint(x * 7)" and as_cell("y = 1") == "y = 1"
     assert as_cell("1 +") == "1 +"  # left for the sandbox to report
 
