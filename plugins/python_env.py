@@ -161,7 +161,7 @@ class PythonToolEnv:
     def continue_turn(self, sample: Any, reply: str) -> bool:
         """A turn that a stop string (``--rollout-stop``, e.g. :data:`CODE_BLOCK_STOP`) ended inside an
         open code fence goes on (the agent loop generates on in it): the stop fired at an opening
-        fence (a bare ``\n```\n`` after text), not at a block's close."""
+        fence (a bare ``\\n```\\n`` after text), not at a block's close."""
         return reply.count("```") % 2 == 1
 
     def _matches(self, text: str, sample: Any) -> bool:
