@@ -13,7 +13,8 @@ For ``--agent-env`` (``rollout_manager/agent.py``)::
 Each model turn that contains code (the last ```` ```python ```` fenced block, or ``<code>...</code>``)
 runs it in a fresh sandboxed interpreter (``SandboxLimits()``: 10 s, 1 GiB, no network where the
 machine allows it; never blocking the rollout's event loop). When the code's last statement is an
-expression, its value is printed, as in a notebook cell (``<code>37*48</code>`` answers ``1776``).
+expression, its value is printed unless None, as in a notebook cell (``<code>37*48</code>`` answers
+``1776``, ``print(1776)`` too, without a ``None`` after it).
 The tool's answer (stdout; on failure the last line of stderr, or the limit that stopped it) comes
 back as one ``tool`` message (or what ``result_message`` makes of it), at most ``max_output_chars``
 characters. A turn without code is the final answer: the episode ends (``make_answer_env`` rewards
@@ -61,15 +62,17 @@ def extract_code(reply: str) -> str | None:
 
 
 def as_cell(code: str) -> str:
-    """``code`` with its last statement printed when it is an expression (a notebook cell's rule);
-    code that does not parse is left as it is (the sandbox reports its SyntaxError)."""
+    """``code`` with the value of its last statement printed when it is an expression and the value
+    is not None (a notebook cell's rule: ``print(x)`` last shows x, not x and then ``None``); code
+    that does not parse is left as it is (the sandbox reports its SyntaxError)."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
         return code
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = tree.body[-1]
-        tree.body[-1] = ast.Expr(ast.Call(ast.Name("print", ast.Load()), [last.value], []))
+        shown = ast.parse("_cell_value = None\nif _cell_value is not None:\n    print(_cell_value)").body
+        shown[0].value = tree.body[-1].value
+        tree.body[-1:] = shown
         ast.fix_missing_locations(tree)
         return ast.unparse(tree)
     return code

@@ -22,7 +22,7 @@ def test_extract_code_and_cell():
     assert extract_code("<code>1+1</code> then <code>37*48</code>") == "37*48"
     assert extract_code("The answer is 1776.") is None
     assert extract_code("```python3\nprint(2)\n```") == "print(2)\n"  # SmolLM2 writes python3 at times
-    assert as_cell("x = 6\nx * 7") == "x = 6\nprint(x * 7)" and as_cell("y = 1") == "y = 1"
+    assert as_cell("y = 1") == "y = 1"
     assert as_cell("1 +") == "1 +"  # left for the sandbox to report
 
 
@@ -33,14 +33,17 @@ def test_step_runs_code_and_ends_on_an_answer():
     async def go():
         messages, tools = await env.start(sample)
         ran = await env.step(sample, "<code>37*48</code>")
+        cells = [(await env.step(sample, f"<code>{c}</code>"))[0][0]["content"]
+                 for c in ("x = 6\nx * 7", "print(37*48)", "y = 1", "print(1)\nNone")]
         failed = await env.step(sample, "<code>1/0</code>")
         right = await env.step(sample, "1776")
         wrong = await env.step(sample, "1777")
-        return messages, tools, ran, failed, right, wrong
-    messages, tools, ran, failed, right, wrong = asyncio.run(go())
+        return messages, tools, ran, cells, failed, right, wrong
+    messages, tools, ran, cells, failed, right, wrong = asyncio.run(go())
     assert [m["role"] for m in messages] == ["system", "user"] and messages[1]["content"] == "37*48="
     assert tools == [PYTHON_TOOL]
     assert ran[:3] == ([{"role": "tool", "content": "1776"}], False, 0.0)  # the environment's reward alone
+    assert cells == ["42", "1776", "", "1"]  # a notebook cell's rule: a last value shown unless None
     assert ran[3]["tool_calls"] == 1 and ran[3]["tool_errors"] == 0 and ran[3]["tool_time_s"][0] > 0
     assert failed[0] == [{"role": "tool", "content": "ZeroDivisionError: division by zero"}]
     assert failed[3]["tool_errors"] == 1
