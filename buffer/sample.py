@@ -21,6 +21,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
+#: ``sample.metadata[CORRECT]``: whether the sample's final answer is right (a bool), set by the
+#: plugin that knows (an ``--agent-env`` environment through its step's ``info["correct"]``, a reward
+#: function, a custom generate). Accuracy metrics read it (``Sample.correctness``) so that a shaped
+#: reward (partial credit) does not pass for accuracy; unmarked samples count their reward.
+CORRECT = "correct"
+
+
 class Status(str, enum.Enum):
     """Lifecycle of a sample. ``completed``/``truncated`` are trainable; the others are not."""
 
@@ -212,6 +219,16 @@ class Sample:
         if self.reward is None:
             raise ValueError(f"sample {self.index}: reward is missing")
         return float(self.reward)
+
+    def correctness(self, key: str | None = None) -> float:
+        """The sample's score for accuracy: 1.0 or 0.0 when ``metadata["correct"]`` marks it (a
+        bool, see ``CORRECT``), else ``scalar_reward(key)`` (a 0/1 reward is its own accuracy)."""
+        mark = self.metadata.get(CORRECT)
+        if isinstance(mark, bool):
+            return float(mark)
+        if mark is not None:
+            raise ValueError(f"sample {self.index}: metadata[{CORRECT!r}] is {mark!r}, expected a bool")
+        return self.scalar_reward(key)
 
     def get_reward_value(self, args: Any) -> Any:
         """slime's accessor: ``reward[args.reward_key]`` when ``--reward-key`` is set, else ``reward``."""

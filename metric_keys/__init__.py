@@ -50,7 +50,7 @@ class Plot:
 ROLLOUT_REWARD_MEAN = Metric("rollout/reward_mean", "rollout: mean reward of the step's samples")
 ROLLOUT_RESPONSE_LEN_MEAN = Metric("rollout/response_len_mean", "rollout: mean response length")
 ROLLOUT_TOKENS_PER_S = Metric("rollout/tokens_per_s", "rollout: generated tokens / rollout wall time")
-EVAL_ACCURACY = Metric("eval/accuracy", "eval: mean reward on --eval-prompt-data")
+EVAL_ACCURACY = Metric("eval/accuracy", "eval: fraction right on --eval-prompt-data (metadata correct, else reward)")
 
 # --- train_backend (losses.py's stats, step.py's step metrics) -------------------------------------
 TRAIN_REWARD_MEAN = Metric("train/reward_mean", "train: mean reward of the trained batch")

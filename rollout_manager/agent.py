@@ -1,8 +1,9 @@
 """The agent loop: multi-turn episodes between the model and an environment, as a custom generate.
 
 ``--agent-env pkg.mod.make_env`` names an environment factory (loaded like every plugin, by import
-path; called once as ``make_env(args)``; a class works). The environment has two methods, each a
-plain or an async function (plain ones run in a plugin thread, never on the event loop)::
+path; called once as ``make_env(args)``; a class works). The environment has two methods (and an
+optional third), each a plain or an async function (plain ones run in a plugin thread, never on the
+event loop)::
 
     start(sample) -> (messages, tools)
         The episode's opening messages (system, user: rendered with the chat template, ``tools``
@@ -16,7 +17,19 @@ plain or an async function (plain ones run in a plugin thread, never on the even
         follows it (tool results, a user turn), appended as one group; ``done``: the episode is
         over; ``reward``: a float for this reply, or None. ``info`` (optional): ``{"tool_calls":
         int, "tool_errors": int, "tool_time_s": [float]}`` for the metrics (default: one call per
-        ``tool`` message, no errors, the step's time).
+        ``tool`` message, no errors, the step's time), and ``"correct": bool``, whether the episode's
+        answer is right so far: the loop keeps the last one given as ``sample.metadata["correct"]``
+        (``buffer.sample.CORRECT``), which ``eval/accuracy`` (and ``rollout/accuracy``) count in
+        place of the reward. An environment whose reward gives partial credit (a shaped reward)
+        marks every step (``False`` until a right final answer), so accuracy stays the fraction of
+        right final answers; where nothing marks a sample, its reward counts, as before.
+
+    continue_turn(sample, reply) -> bool (optional)
+        Called when a model turn ended on a stop string (``--rollout-stop``; the model did not emit
+        the template's close) before ``step``: True generates on in the same turn (another request
+        from its tokens so far; the stop strings apply to the new text only), so a stop string may
+        also fire where the turn is not over (the built-in environment's, at an opening code fence).
+        Never consulted for a template without a close (a stop cannot be told from the end there).
 
 Per-episode state an environment needs goes in ``sample.metadata["agent"]["env"]`` (a dict, kept
 with the sample, cleared when the episode restarts). The built-in ``plugins.python_env.make_env``
@@ -53,7 +66,7 @@ import functools
 import time
 from typing import Any
 
-from buffer.sample import Sample, Status
+from buffer.sample import CORRECT, Sample, Status
 from plugins.chat_append import (PROMPT_STANDIN, ChatAppendError, append_ids, check_append_stable, close_remainder,
                                  render_ids, template_close)
 from plugins.loader import load_function
@@ -122,6 +135,7 @@ async def _start(ctx: Any, env: Any, sample: Sample, render_prompt: bool) -> dic
              "tool_errors": 0, "tool_time_s": [], "loop_lag_s": [], "env": {}}
     sample.metadata[AGENT_STATE] = state
     sample.metadata[AGENT_TURNS] = []
+    sample.metadata.pop(CORRECT, None)  # an earlier try's answer says nothing of this episode's
     return state
 
 
@@ -149,12 +163,23 @@ async def _step_env(env: Any, sample: Sample, reply: str, state: dict) -> tuple[
     info = out[3] if len(out) == 4 and isinstance(out[3], dict) else {}
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
         raise TypeError(f"{_FLAG} step() returned reward {reward!r}, expected a number or None")
+    if "correct" in info:
+        if not isinstance(info["correct"], bool):
+            raise TypeError(f"{_FLAG} step() returned info['correct'] {info['correct']!r}, expected a bool")
+        sample.metadata[CORRECT] = info["correct"]
     calls = info.get("tool_calls", sum(m.get("role") == "tool" for m in messages))
     state["tool_calls"] += int(calls)
     state["tool_errors"] += int(info.get("tool_errors", 0))
     state["tool_time_s"] += [float(x) for x in info.get("tool_time_s", [took] if calls else [])]
     state["loop_lag_s"].append(worst[0])
     return [dict(m) for m in messages], done, None if reward is None else float(reward)
+
+
+async def _continues(env: Any, sample: Sample, reply: str) -> bool:
+    """Whether a model turn that ended without the template's close (a stop string, ``--rollout-stop``,
+    fired) goes on: the environment's optional ``continue_turn(sample, reply)`` says so."""
+    hook = getattr(env, "continue_turn", None)
+    return hook is not None and bool(await _call_env(hook, sample, reply))
 
 
 def _finish(sample: Sample, state: dict, reason: str, status: Status) -> Sample:
@@ -205,6 +230,9 @@ async def generate(args: argparse.Namespace, sample: Sample, sampling_params: di
         close = list(_close_ids(tok))
         k = len(close) - len(close_remainder(ids, close))  # the close the model emitted, left out of the reply
         reply = tok.decode(ids[:len(ids) - k])
+        if close and not k and await _continues(env, sample, reply):
+            turn["open"] = True  # a stop string fired where the turn is not over: generate on in it
+            continue
         state["messages"].append({"role": "assistant", "content": reply})
         messages, done, reward = await _step_env(env, sample, reply, state)
         turn["reward"] = reward

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffer.sample import Sample, Status, parse_weight_version  # noqa: F401 (re-exported for plugins)
+from buffer.sample import CORRECT, Sample, Status, parse_weight_version  # noqa: F401 (re-exported for plugins)
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS
 from rollout_manager.plugin_api import RolloutContext, current_context, current_step
 from rollout_manager.rewards import mark_failed
@@ -124,6 +124,7 @@ def reset_sample(sample: Sample) -> None:
     sample.metadata.pop(CHAT_TURNS, None)
     sample.metadata.pop(AGENT_TURNS, None)  # an agent episode starts afresh (rollout_manager/agent.py)
     sample.metadata.pop(AGENT_STATE, None)
+    sample.metadata.pop(CORRECT, None)  # whether the answer was right: the new answer's to say
 
 
 def append_segment(sample: Sample, out: dict, mask_offpolicy: bool) -> int:

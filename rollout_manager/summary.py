@@ -7,7 +7,7 @@ from collections import Counter
 
 from typing import Any
 
-from buffer.sample import Sample, Status
+from buffer.sample import CORRECT, Sample, Status
 from metric_keys import EVAL_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_REWARD_MEAN, ROLLOUT_TOKENS_PER_S
 from buffer.agent_turns import agent_metrics
 from rollout_manager.plugin_api import RolloutStats
@@ -32,6 +32,9 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
     ``tokens_per_s``: generated tokens over the step's wall time; ``failures/<reason>``: failed
     samples by reason (``engine: ...``, ``reward: <exception>``, ``generate: <exception>``);
     ``agent/...``: the agent loop's (``buffer.agent_turns.agent_metrics``) when samples ran episodes.
+    ``accuracy`` (``eval/accuracy``; under ``rollout/`` only when a plugin marked a sample): the mean of
+    ``Sample.correctness`` over scored samples, the fraction whose final answer is right where
+    ``metadata["correct"]`` says so, the reward elsewhere (so a shaped reward is not read as accuracy).
     """
     samples = [s for g in groups for s in g]
     scored = [s.scalar_reward(reward_key) for s in samples if s.reward is not None]
@@ -70,33 +73,40 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
             m[f"tito/{kind}"] = n
     for reason, n in sorted(failures.items()):
         m[f"failures/{reason}"] = n
+    if prefix == "eval" or any(CORRECT in s.metadata for s in samples):
+        right = [s.correctness(reward_key) for s in samples if s.reward is not None]
+        m[EVAL_ACCURACY.name] = statistics.fmean(right) if right else float("nan")
     m.update(agent_metrics(samples))  # --agent-env episodes: turns, tool calls and errors, loop lag
-    out = {f"{prefix}/{k}": float(v) for k, v in m.items()}
-    if prefix == "eval":
-        out[EVAL_ACCURACY.key] = out[f"eval/{ROLLOUT_REWARD_MEAN.name}"]
-    return out
+    return {f"{prefix}/{k}": float(v) for k, v in m.items()}
 
 
 def eval_data_metrics(data: dict[str, dict[str, Any]], reward_key: str | None = None) -> dict[str, float]:
     """Metrics of slime's evaluation data (``RolloutFnEvalOutput.data``: dataset name ->
     ``{"rewards", "truncated", "samples"}``): ``eval/<name>`` (mean reward, failed samples left out),
-    ``eval/<name>-truncated_ratio``, and ``eval/accuracy`` / ``eval/reward_mean`` over all datasets."""
+    ``eval/<name>-truncated_ratio``, ``eval/reward_mean`` over all datasets, and ``eval/accuracy``:
+    the same mean, with a sample's ``Sample.correctness`` in place of its reward where its
+    ``metadata["correct"]`` marks it (``samples`` given, one per reward)."""
     out: dict[str, float] = {}
     everything: list[float] = []
+    right: list[float] = []
     for name, entry in data.items():
-        rewards = [v for v in (_value(r, reward_key) for r in entry.get("rewards", [])) if v is not None]
+        values = [_value(r, reward_key) for r in entry.get("rewards", [])]
+        rewards = [v for v in values if v is not None]
         everything += rewards
+        samples = entry.get("samples") or []
+        marked = samples if len(samples) == len(values) else [None] * len(values)
+        right += [s.correctness(reward_key) if isinstance(s, Sample) and CORRECT in s.metadata else v
+                  for s, v in zip(marked, values) if v is not None]
         out[f"eval/{name}"] = statistics.fmean(rewards) if rewards else float("nan")
         truncated = entry.get("truncated")
         if truncated:
             out[f"eval/{name}-truncated_ratio"] = sum(map(bool, truncated)) / len(truncated)
-        samples = entry.get("samples") or []
         failed = sum(isinstance(s, Sample) and s.status == Status.FAILED for s in samples)
         if failed:
             out[f"eval/{name}-failed_samples"] = float(failed)
     out["eval/num_samples"] = float(len(everything))
-    mean = statistics.fmean(everything) if everything else float("nan")
-    out[f"eval/{ROLLOUT_REWARD_MEAN.name}"] = out[EVAL_ACCURACY.key] = mean
+    out[f"eval/{ROLLOUT_REWARD_MEAN.name}"] = statistics.fmean(everything) if everything else float("nan")
+    out[EVAL_ACCURACY.key] = statistics.fmean(right) if right else float("nan")
     return out
 
 

@@ -169,7 +169,12 @@ def _check_soft(sample: Sample, spans: list[list], tokenizer: Any, tools: list[d
                 report: TitoReport) -> None:
     tokens, prompt_len = sample.tokens, sample.prompt_length
     turns = [(s, e, msgs) for s, e, msgs in sample.metadata.get(CHAT_TURNS) or []]
-    model = [(s[0], s[1]) for s in spans if s[1] > s[0] and s[0] >= prompt_len]
+    model: list[tuple[int, int]] = []
+    for s in sorted(x for x in spans if x[1] > x[0] and x[0] >= prompt_len):
+        if model and model[-1][1] == s[0]:  # answers back to back are one model turn: a partial rollout's
+            model[-1] = (model[-1][0], s[1])  # resume, or the agent loop generating on after a stop string
+        else:
+            model.append((s[0], s[1]))
     if not model:
         return
     # turn log: every response token must belong to a model output or a logged environment turn

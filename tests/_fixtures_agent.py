@@ -32,6 +32,39 @@ class ScriptedEnv:
         return ([] if done else [{"role": "user", "content": f"ok{n}"}]), done, TURN_REWARD
 
 
+class MarkingEnv(ScriptedEnv):
+    """``ScriptedEnv`` whose steps mark the answer right on the third model turn only (``info["correct"]``)."""
+
+    async def step(self, sample, reply):
+        messages, done, reward = await super().step(sample, reply)
+        n = sum(t["kind"] == "model" for t in sample.metadata["agent_turns"])
+        return messages, done, reward, {"correct": n >= 3}
+
+
+def three_turns_marked(args):
+    """Done after three model turns, the last one marked right."""
+    return MarkingEnv(3)
+
+
+def two_turns_marked(args):
+    """Ended after two model turns (by --agent-max-turns 2), never marked right."""
+    return MarkingEnv(None)
+
+
+class ContinuingEnv(ScriptedEnv):
+    """``ScriptedEnv`` (done after two model turns) whose ``continue_turn`` has a turn that ended without
+    the template's close generate on once (while its reply holds the engine's answer once)."""
+
+    def continue_turn(self, sample, reply):
+        SEEN.setdefault("continue_asked", []).append(reply)
+        return reply.count("2+2") == 1
+
+
+def continuing(args):
+    """Done after two model turns, each generated in two requests."""
+    return ContinuingEnv(2)
+
+
 def three_turns(args):
     """Done after three model turns."""
     return ScriptedEnv(3)

@@ -13,9 +13,10 @@ from _fixtures_rollout import make_args, push_during_pause, running_manager, toy
 from transformers import AutoTokenizer
 
 from buffer.arrow import groups_to_record_batch, record_batch_to_groups
-from buffer.sample import Status, check_sample
+from buffer.sample import CORRECT, Sample, Status, check_sample
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS, turn_masks, turns_for_training
 from rollout_manager.manager import RolloutManager
+from rollout_manager.summary import eval_data_metrics, rollout_metrics
 
 INSTANT = ["--rollout-engine", "instant", "--rollout-num-engines", "1", "--health-check-interval", "0.5"]
 
@@ -78,6 +79,66 @@ def test_masks_and_logprobs_follow_the_turn_log(toy_model_dir):
     # the turn log rides along into the buffer's Arrow / Parquet form
     back = record_batch_to_groups(groups_to_record_batch([samples]))[0]
     assert [x.metadata[AGENT_TURNS] for x in back] == [x.metadata[AGENT_TURNS] for x in samples]
+
+
+def test_env_marks_correct_and_accuracy_counts_it_apart_from_the_reward(toy_model_dir):
+    """info["correct"] of the last step becomes metadata["correct"]; accuracy reads it, not the reward."""
+    samples, metrics, _ = _run(toy_model_dir, "--agent-env", "_fixtures_agent.three_turns_marked")
+    assert all(s.metadata[CORRECT] is True and s.reward == 3 * TURN_REWARD for s in samples)
+    assert metrics["rollout/accuracy"] == 1.0 and metrics["rollout/reward_mean"] == 3 * TURN_REWARD
+    samples, metrics, _ = _run(toy_model_dir, "--agent-env", "_fixtures_agent.two_turns_marked", "--agent-max-turns",
+                               "2")
+    assert all(s.metadata[CORRECT] is False for s in samples) and metrics["rollout/accuracy"] == 0.0
+    _, metrics, _ = _run(toy_model_dir, "--agent-env", "_fixtures_agent.three_turns")  # nothing marks
+    assert "rollout/accuracy" not in metrics
+
+
+def test_accuracy_is_the_marks_where_given_else_the_reward():
+    """rollout_metrics / eval_data_metrics: eval/accuracy is Sample.correctness's mean (unmarked samples
+    count their reward, as before the mark existed); failed samples (no reward) are left out."""
+    def sample(reward, mark=None, status=Status.COMPLETED):
+        return Sample(reward=reward, status=status, metadata={} if mark is None else {CORRECT: mark})
+    shaped = [[sample(1.0, True), sample(0.2, False), sample(0.2, False), sample(None, status=Status.FAILED)]]
+    m = rollout_metrics(shaped, None, 1.0, "eval")
+    assert m["eval/accuracy"] == pytest.approx(1 / 3) and m["eval/reward_mean"] == pytest.approx(1.4 / 3)
+    plain = [[sample(1.0), sample(0.5), sample(0.0)]]
+    assert rollout_metrics(plain, None, 1.0, "eval")["eval/accuracy"] == 0.5  # the mean reward, as before
+    assert "rollout/accuracy" not in rollout_metrics(plain, None, 1.0)
+    assert rollout_metrics(shaped + plain, None, 1.0)["rollout/accuracy"] == pytest.approx(2.5 / 6)
+    data = {"toy": {"rewards": [1.0, 0.2, 0.5], "samples": [sample(1.0, True), sample(0.2, False), sample(0.5)]}}
+    ev = eval_data_metrics(data)
+    assert ev["eval/accuracy"] == 0.5 and ev["eval/toy"] == ev["eval/reward_mean"] == pytest.approx(1.7 / 3)
+    with pytest.raises(ValueError, match="metadata\\['correct'\\] is 1"):
+        sample(1.0, 1).correctness()
+
+
+def test_a_turn_ended_by_a_stop_string_goes_on_when_the_env_says_so(toy_model_dir):
+    """A model turn without the template's close (as a --rollout-stop string ends it) is offered to
+    continue_turn; True generates on in the same turn (one model turn, two engine answers)."""
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    ids = tok("<code>2+2</code>", add_special_tokens=False)["input_ids"]  # no <eos>: a stop string fired
+    reset_seen()
+
+    async def go():
+        argv = toy_argv(toy_model_dir, *INSTANT, "--engine-extra-args", f"--output-ids {','.join(map(str, ids))}",
+                        "--n-samples-per-prompt", "2", "--rollout-batch-size", "1", "--rollout-max-response-len", "200",
+                        "--agent-env", "_fixtures_agent.continuing", "--tito-check", "fail")
+        async with running_manager(argv) as m:
+            return await m.generate(0)
+    groups, metrics = asyncio.run(go())
+    for s in groups[0]:
+        turns = _check_turns(s, ids)
+        assert [t["kind"] for t in turns] == ["model", "env", "model"] and s.status == Status.COMPLETED
+        for t in turns[::2]:
+            assert s.tokens[t["start"]:t["end"]] == ids + ids  # two engine answers in one turn
+    assert SEEN["replies"] == ["<code>2+2</code>" * 2] * 4  # the environment stepped on whole turns only
+    assert len(SEEN["continue_asked"]) == 8 and metrics["rollout/agent/turns_mean"] == 2
+    # the check renders each turn as one message, its two engine answers together: no finding, soft ones included
+    assert metrics["rollout/tito/checked"] == 2 and [k for k in metrics if k.startswith("rollout/tito/")] == [
+        "rollout/tito/checked"]
+    # a turn that ends with the template's close is never offered (the model ended it)
+    _run(toy_model_dir, "--agent-env", "_fixtures_agent.continuing")
+    assert "continue_asked" not in SEEN and SEEN["replies"] == ["<code>2+2</code>"] * 8  # 4 samples x 2 turns
 
 
 def test_max_turns_ends_the_episode(toy_model_dir):
