@@ -44,8 +44,8 @@ RESULT = ROOT / "bench" / "results" / "step_overhead.json"
 MODEL = ROOT / "examples" / "toy" / "model"
 
 #: the driver's methods timed as spans: start-up parts, then the schedule's steps (scripts/train.py)
-STARTUP_SPANS = ("_maybe_build_toy_model", "_start_ray", "_start_rollout_side", "_start_rollout_manager",
-                 "_start_trainer", "_connect_weight_sync")
+STARTUP_SPANS = ("_maybe_build_toy_model", "_start_ray", "_start_rollout_side", "_start_trainer",
+                 "_connect_weight_sync")
 #: inside them: the buffer actor, the rollout manager actor (before its engines), the trainer ranks, ...
 STARTUP_INNER = ("create_buffer", "create_rollout_manager_actor", "TrainerGroup", "MetricsLogger",
                  "trainer_connect_weight_sync")
@@ -255,13 +255,8 @@ def summarize(child: dict, warmup: int) -> dict[str, float]:
            "startup/total_to_loop_s": m["loop_begin"] - child["spawn"]}
     out.update({f"startup/{name.strip('_')}_s": sp[name][0] for name in STARTUP_SPANS + STARTUP_INNER
                 if sp.get(name)})
-    if all(sp.get(n) for n in ("_start_rollout_manager", "create_rollout_manager_actor")):
-        # the manager's start after its actor (router, engines spawned, healthy, registered); since the
-        # buffer starts beside the manager (2026-12-05 evening), a span of its own
-        out["startup/rollout_manager_start_s"] = (sp["_start_rollout_manager"][0]
-                                                  - sp["create_rollout_manager_actor"][0])
-    elif all(sp.get(n) for n in ("_start_rollout_side", "create_buffer", "create_rollout_manager_actor")):
-        # a tree before that: the buffer, then the manager, in the rollout side's span
+    if all(sp.get(n) for n in ("_start_rollout_side", "create_buffer", "create_rollout_manager_actor")):
+        # what is left of the rollout side: the manager's start (router, engines spawned, healthy, registered)
         out["startup/rollout_manager_start_s"] = (sp["_start_rollout_side"][0] - sp["create_buffer"][0]
                                                   - sp["create_rollout_manager_actor"][0])
     if sp.get("finish"):

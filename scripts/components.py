@@ -125,27 +125,16 @@ class Run:
             start_ray(self.s.ray_address)
 
     def _start_rollout_side(self) -> None:
-        """The buffer and the rollout manager, side by side."""
+        import ray
+
         from buffer import create_buffer
+        from buffer.interfaces import NAMESPACE
+        from rollout_manager.actor import create_rollout_manager_actor
 
         bs = self.settings.buffer
         if bs.persist_dir is None and self.s.save:
             bs = dataclasses.replace(bs, persist_dir=str(Path(self.s.save) / "buffer"))
-
-        def start_buffer() -> None:
-            self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
-
-        # the buffer's actor starts while the rollout manager's does (the manager needs it at its first push)
-        _side_by_side([start_buffer, self._start_rollout_manager])
-
-    def _start_rollout_manager(self) -> None:
-        """The rollout manager's actor, its router and engines (``--colocate``: the engines then
-        release their GPU memory for the trainer)."""
-        import ray
-
-        from buffer.interfaces import NAMESPACE
-        from rollout_manager.actor import create_rollout_manager_actor
-
+        self.buffer = create_buffer(self.s.buffer_name, bs, plugin_args=self.args)
         # (the rollout manager makes the logs directory once its plugins and prompts loaded)
         # On this node: it writes the engine logs and events into --output-dir, which is this node's
         # disk; its router listens on loopback; with --colocate its engines are local subprocesses,
