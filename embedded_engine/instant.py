@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import time
 
 from aiohttp import web
 
@@ -81,6 +82,7 @@ class InstantEngine:
         n = min(full, sp.get("max_new_tokens", full))
         rid = rid or f"r{self.count}"
         self.count += 1
+        arrival = time.monotonic()
         aborted = asyncio.Event()
         self.inflight[rid] = aborted
         try:
@@ -105,6 +107,7 @@ class InstantEngine:
         n = len(ids)
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
                 "completion_tokens": n, "weight_version": self.weight_version,
+                "e2e_latency": time.monotonic() - arrival,  # SGLang's: arrival to finish, inside the server
                 "output_token_logprobs": [[-0.5, t, None] for t in ids] if return_logprob else []}
         text = self.output_text if n == full else ""
         return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -19,13 +19,14 @@ import argparse
 import asyncio
 import contextvars
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.sample import CORRECT, Sample, Status, parse_weight_version  # noqa: F401 (re-exported for plugins)
 from buffer.agent_turns import AGENT_STATE, AGENT_TURNS
-from rollout_manager.plugin_api import RolloutContext, current_context, current_step
+from rollout_manager.plugin_api import RolloutContext, RolloutStats, current_context, current_step
 from rollout_manager.rewards import mark_failed
 from rollout_manager.settings import RolloutSettings
 from rollout_manager.tito import CHAT_TURNS, ENGINE_SPANS, record_engine_span
@@ -192,6 +193,14 @@ def split_requests(samples: list[Sample], sampling_params: dict, limit: int) -> 
     return out
 
 
+def _time_request(stats: RolloutStats, seconds: float, outs: list) -> None:
+    """Record one answered request's time as the manager saw it and as the engine reports it."""
+    engine = [o["meta_info"]["e2e_latency"] for o in outs if isinstance(o, dict) and isinstance(
+        o.get("meta_info"), dict) and isinstance(o["meta_info"].get("e2e_latency"), (int, float))]
+    # every element says (SGLang and the embedded engines do), else the engine's time is unknown
+    stats.request_times.append((seconds, max(engine) if engine and len(engine) == len(outs) else None))
+
+
 @dataclass
 class _GroupRetry:
     """Retry state shared by a group's requests."""
@@ -249,6 +258,7 @@ async def _group_request(ctx: RolloutContext, batch: list[Sample], params: dict,
         url, client = ctx.dispatcher.pick(retry.avoid)
         ctx.dispatcher.started(url, k)
         lora = {"lora_path": s.lora_path} if s.lora_path else {}  # --lora-rank: the policy's adapter
+        sent = time.perf_counter()
         try:
             if k > 1:
                 outs = await client.generate_batch([x.tokens for x in batch], sampling_params=params,
@@ -278,6 +288,7 @@ async def _group_request(ctx: RolloutContext, batch: list[Sample], params: dict,
     if outs is None:  # back off outside the slots; the health monitor removes dead engines meanwhile
         await asyncio.sleep(min(0.25 * 2 ** (retry.attempt - 1), 4.0))
         return batch
+    _time_request(step.stats, time.perf_counter() - sent, outs)
     again: list[Sample] = []
     idle = 0
     for sample, out in zip(batch, outs):

@@ -101,6 +101,11 @@ class RolloutStats:
     """Counters of one rollout step (or evaluation); they become its ``rollout/...`` metrics."""
 
     requests: int = 0  # /generate calls of the default generate (a group request counts once)
+    # per answered /generate of the default generate: (seconds as the manager saw it: HTTP, router,
+    # engine; seconds as the engine reports it: meta_info e2e_latency, arrival to finish, the longest
+    # of a batch's elements, None if it did not say), so the rollout's requests split into the
+    # engines' own time and the way there and back
+    request_times: list[tuple[float, float | None]] = field(default_factory=list)
     retries: int = 0  # /generate calls retried after an engine error
     aborted_requests: int = 0  # samples whose segment came back aborted (per sample in both granularities)
     generated_tokens: int = 0

@@ -67,6 +67,7 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
         m.update(requests=stats.requests, retries=stats.retries, aborted_requests=stats.aborted_requests,
                  dropped_groups=stats.dropped_groups, returned_groups=stats.returned_groups,
                  failed_groups=stats.failed_groups)
+        m.update(_request_split(stats.request_times))
         for reason, n in sorted(stats.drop_reasons.items()):
             m[f"dynamic_filter/drop_{reason}"] = n
         for kind, n in sorted(stats.tito.items()):  # --tito-check: samples checked, and by finding
@@ -78,6 +79,20 @@ def rollout_metrics(groups: list[list[Sample]], stats: RolloutStats | None, seco
         m[EVAL_ACCURACY.name] = statistics.fmean(right) if right else float("nan")
     m.update(agent_metrics(samples))  # --agent-env episodes: turns, tool calls and errors, loop lag
     return {f"{prefix}/{k}": float(v) for k, v in m.items()}
+
+
+def _request_split(times: list[tuple[float, float | None]]) -> dict[str, float]:
+    """The medians over the step's answered requests: ``request_time_s`` (as the manager saw each),
+    ``engine_time_s`` (as the engine reports it, SGLang's ``e2e_latency``) and
+    ``request_outside_engine_s`` (each request's difference: HTTP, the router, (de)serialization)."""
+    if not times:
+        return {}
+    out = {"request_time_s": statistics.median(t for t, _ in times)}
+    paired = [(t, e) for t, e in times if e is not None]
+    if paired:
+        out["engine_time_s"] = statistics.median(e for _, e in paired)
+        out["request_outside_engine_s"] = statistics.median(t - e for t, e in paired)
+    return out
 
 
 def eval_data_metrics(data: dict[str, dict[str, Any]], reward_key: str | None = None) -> dict[str, float]:

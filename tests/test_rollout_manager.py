@@ -50,6 +50,11 @@ def test_groups_token_in_token_out(toy_model_dir, dispatch, granularity):
     # one request per group (its 4 samples in one batch /generate), or one per sample
     assert metrics["rollout/requests"] == (8 if granularity == "group" else 32) and metrics["rollout/retries"] == 0
     assert metrics["rollout/truncated_frac"] == 0 and metrics["rollout/reward_mean"] == 0
+    # each request's time as the manager saw it, split into the engine's own (meta_info e2e_latency)
+    # and the way there and back (the router's hop included with dispatch="router")
+    seen, engine, outside = (metrics[f"rollout/{k}"] for k in ("request_time_s", "engine_time_s",
+                                                                "request_outside_engine_s"))
+    assert 0 < engine < seen < metrics["rollout/time_s"] and outside > 0
 
 
 def test_over_sampling_with_dynamic_filter(toy_model_dir):
