@@ -3,7 +3,9 @@
     unshare -n bash -c 'ip link set lo up && RAY_AUTH_MODE=disabled exec python bench/step_overhead.py'
     ... python bench/step_overhead.py --baseline 2e06dc8 --repeats 3   # before/after, interleaved
 
-Each run is ``scripts/train.py`` on ``examples/toy/grpo_cpu.yaml`` (``--steps`` steps, no eval
+Each run is ``scripts/train.py`` on ``examples/toy/grpo_cpu.yaml`` (``--config``: another, e.g. the
+toy task colocated on one GPU, ``examples/gpu/grpo_colocate_1gpu.yaml``, with
+``--variant "sglang=--rollout-engine sglang ..."`` for real SGLang; ``--steps`` steps, no eval
 until the end, no plots) in a child process of its own. The child wraps the driver's start-up and
 schedule methods (``Run._start_ray``, ``Run.generate``, ``Run.train``, ...) in ``perf_counter``
 spans, so a tree from before the ``perf/...`` breakdown metrics existed is measured the same way;
@@ -98,7 +100,7 @@ def _session_cpu() -> dict[str, float]:
     return out
 
 
-def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -> None:
+def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str], config: str) -> None:
     t_spawn = float(os.environ["STEP_OVERHEAD_SPAWN"])
     t_main = time.time()
     tree = Path.cwd()
@@ -171,7 +173,7 @@ def _child(out: Path, steps: int, work: Path, profile: bool, extra: list[str]) -
         return bar
     components.Run.progress = timed_progress
 
-    argv = ["--config", str(tree / "examples/toy/grpo_cpu.yaml"), "--output-dir", str(work / "run"),
+    argv = ["--config", str(tree / config), "--output-dir", str(work / "run"),
             "--hf-checkpoint", str(MODEL), "--prompt-data", str(MODEL / "data/train.jsonl"),
             "--eval-prompt-data", str(MODEL / "data/eval.jsonl"), "--num-rollout", str(steps),
             "--eval-interval", str(10 ** 6), "--skip-eval-before-train", "--no-plots", *extra]
@@ -226,13 +228,14 @@ def _tree_of(rev: str, into: Path) -> Path:
     return into
 
 
-def _run_once(tree: Path, steps: int, work: Path, profile: bool, extra: list[str]) -> dict:
+def _run_once(tree: Path, steps: int, work: Path, profile: bool, extra: list[str], config: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "child.json"
     env = dict(os.environ, PYTHONPATH=str(tree), STEP_OVERHEAD_SPAWN=repr(time.time()), RAY_AUTH_MODE="disabled",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--steps", str(steps),
-           "--work", str(work)] + (["--profile"] if profile else []) + [f"--extra={shlex.join(extra)}"]
+           "--work", str(work), "--config", config] + (["--profile"] if profile else [])
+    cmd.append(f"--extra={shlex.join(extra)}")
     # a session of its own: the CPU account (_session_cpu) counts the run's processes alone
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, start_new_session=True)
     if proc.returncode != 0 or not out.exists():
@@ -281,6 +284,7 @@ def summarize(child: dict, warmup: int) -> dict[str, float]:
     spans_sum = [sum(sp[name][i] for name in STEP_SPANS[:-1] if name in sp and i < len(sp[name])) for i in range(n)]
     out["step_ms/loop_rest"] = per_step([s - t for s, t in zip(steps, spans_sum)])
     keys = sorted({k for r in rows for k in r if k.startswith(("perf/", "train/time_", "rollout/time_s",
+                                                                 "rollout/request_", "rollout/engine_time_s",
                                                                  "weight_sync/", "train/step_time_s"))
                    and (k.endswith(("_s", "_time")) or k.startswith("train/time_"))})
     for k in keys:
@@ -314,13 +318,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", action="store_true", help="cProfile the driver's steps (top functions to stdout)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run this tree with extra launcher flags, interleaved (e.g. 'direct=--rollout-dispatch direct')")
+    p.add_argument("--config", default="examples/toy/grpo_cpu.yaml",
+                   help="the launcher's config, relative to each tree (on one GPU: "
+                        "examples/gpu/grpo_colocate_1gpu.yaml, the same toy task colocated; with a variant adding "
+                        "the SGLang flags, against real SGLang)")
     p.add_argument("--extra", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(RESULT))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        _child(Path(a.child), a.steps, Path(a.work), a.profile, shlex.split(a.extra))
+        _child(Path(a.child), a.steps, Path(a.work), a.profile, shlex.split(a.extra), a.config)
         return {}
     if not (MODEL / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_toy_model.py"), "--out", str(MODEL)], check=True)
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(a.repeats):
         for name, (tree, extra) in trees.items():
             work = tmp / f"{name}_{i}"
-            child = _run_once(tree, a.steps, work, a.profile, extra)
+            child = _run_once(tree, a.steps, work, a.profile, extra, a.config)
             runs[name].append(summarize(child, a.warmup))
             r = runs[name][-1]
             print(f"[{name} {i}] step {r['step_ms/step']:.1f} ms, start-up {r['startup/total_to_loop_s']:.1f} s",
