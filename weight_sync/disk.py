@@ -17,6 +17,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from sglang_protocol.buckets import parse_dtype
+
 # What a checkpoint needs besides its weights (the template's weight files are not copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -48,7 +50,7 @@ def write_hf_checkpoint(named: list[tuple[str, torch.Tensor]], disk_dir: str | P
     if hf_checkpoint is not None:
         _copy_non_weight_files(Path(hf_checkpoint), tmp)
     # Clone on CPU: safetensors refuses shared storage, and the trainer may be on a GPU.
-    want = [None] * len(named) if dtypes is None else [getattr(torch, d) for d in dtypes]
+    want = [None] * len(named) if dtypes is None else [parse_dtype(d) for d in dtypes]
     if len(want) != len(named):
         raise ValueError(f"write_hf_checkpoint: {len(want)} dtypes for {len(named)} tensors")
     state = {name: t.detach().to("cpu", dtype=d, copy=True).contiguous() for (name, t), d in zip(named, want)}

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from sglang_protocol.buckets import dtype_name
 from weight_sync import disk
 from weight_sync.engines import EngineState, call_all
 from weight_sync.interfaces import WeightSyncSettings
@@ -44,7 +45,7 @@ class DiskTransport(Transport):
         loop = asyncio.get_running_loop()
         # each tensor in the dtype it travels in (the engines' own, as the other transports cast): a bf16
         # engine reads half the bytes, and the same values it would have cast to on load
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in payload.named]
+        dtypes = [dtype_name(t.dtype) for _, t in payload.named]
         for b in payload.buckets:
             for i, spec in zip(b.indices, b.specs):
                 dtypes[i] = spec.dtype
