@@ -10,6 +10,7 @@ The two modes differ only in where the driver waits: on the rollout (sync) or on
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,14 @@ if __package__ in (None, ""):  # run as a file: Python put scripts/ first on sys
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # so its siblings import as scripts.x (scripts/__init__.py)
 
 from scripts.arguments import parse  # noqa: E402
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch system's stop: Slurm's time limit, Kubernetes, ``timeout``), ended as Ctrl-C is."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -30,6 +39,8 @@ def main(argv: list[str] | None = None) -> Path:
     except ValueError as e:  # a bad setting found while starting a part (a plugin path, ...)
         sys.exit(f"scripts/train.py: error: {e}")
     step = run.start_step
+    # Ray's start made SIGTERM a bare exit in this process; from here it ends the run as Ctrl-C does
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         if run.should_eval(run.start_step, before_train=True):
             run.evaluate(run.start_step)
@@ -51,9 +62,10 @@ def main(argv: list[str] | None = None) -> Path:
         if "\n" in str(e).strip():  # Ray's errors run over many lines: all of it first, the verdict last
             print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(f"scripts/train.py: error: step {step}: {error_line(e)}\n{run.resume_hint()}")
-    except KeyboardInterrupt:  # Ctrl-C: the parts shut down, where the run stands said, no traceback
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the parts shut down, where the run stands said, no traceback
         run.finish()
-        sys.exit(f"scripts/train.py: interrupted in step {step}\n{run.resume_hint()}")
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        sys.exit(f"scripts/train.py: {how} in step {step}\n{run.resume_hint()}")
     except BaseException:
         run.finish()
         raise

@@ -164,9 +164,11 @@ def test_sigkill_and_resume_trains_every_group_exactly_once(warm_toy, tmp_path):
     assert all(min(s.weight_versions) == step for step, groups in enumerate(batches) for g in groups for s in g)
 
 
-def test_ctrl_c_shuts_the_run_down_and_says_where_it_stands(warm_toy, tmp_path):
-    """SIGINT (Ctrl-C) mid-run: the launcher stops its parts, says in which step and from which
-    checkpoint to resume, and prints no traceback; nothing of the run's process group is left."""
+@pytest.mark.parametrize("sig, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, r"terminated \(SIGTERM\)")])
+def test_ctrl_c_and_sigterm_shut_the_run_down_and_say_where_it_stands(warm_toy, tmp_path, sig, said):
+    """SIGINT (Ctrl-C) or SIGTERM (a batch system's stop) mid-run: the launcher stops its parts, says in
+    which step and from which checkpoint to resume, and prints no traceback; nothing of the run's
+    process group is left."""
     out, ckpt = tmp_path / "interrupted", tmp_path / "ckpt"
     cmd = train_cmd(warm_toy, out, "--num-rollout", "200", "--save", str(ckpt), "--save-interval", "2")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -176,7 +178,7 @@ def test_ctrl_c_shuts_the_run_down_and_says_where_it_stands(warm_toy, tmp_path):
         while not (ckpt / "latest.json").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)  # polling a file the run writes: the event is the first checkpoint
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -184,7 +186,9 @@ def test_ctrl_c_shuts_the_run_down_and_says_where_it_stands(warm_toy, tmp_path):
             proc.wait()
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    step = int(re.search(r"scripts/train.py: interrupted in step (\d+)", err).group(1))
+    found = re.search(rf"scripts/train.py: {said} in step (\d+)", err)
+    assert found, err[-3000:]
+    step = int(found.group(1))
     saved = json.loads((ckpt / "latest.json").read_text())["step"]
     # the signal may land after this step's save (in its eval or log): then the hint names this step
     assert saved <= step and f"the last checkpoint is step {saved}'s: add --load {ckpt} to resume" in err, err[-2000:]
