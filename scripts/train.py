@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit(f"scripts/train.py: error: {e}")
     step = run.start_step
     # Ray's start made SIGTERM a bare exit in this process; from here it ends the run as Ctrl-C does
-    signal.signal(signal.SIGTERM, _terminated)
+    if threading.current_thread() is threading.main_thread():  # (only the main thread may set a handler)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         if run.should_eval(run.start_step, before_train=True):
             run.evaluate(run.start_step)
