@@ -452,10 +452,10 @@ def merge(files: list[Path], out: Path) -> dict:
         for mode, m in r["metrics"].items():
             runs.setdefault(mode, []).extend({_OLD_KEYS.get(k, k): v for k, v in run.items()} for run in m["seeds"])
     seeds = sorted({s for r in results for s in r["seeds"]})
-    machines = sorted({r["machine"] for r in results})
+    machines = sorted({r["machine"] for r in results})  # joined with " + ": a "|" would split RESULTS.md's table row
     extra = {k: results[0][k] for k in ("engine", "engine_version", "task") if k in results[0]}
     name, target = kinds.pop()
-    return write_result(runs, seeds, name, " | ".join(machines),
+    return write_result(runs, seeds, name, " + ".join(machines),
                         "merged (bench/e2e.py --merge) from: " + " ; ".join(r["command"] for r in results), out,
                         target, **extra)
 

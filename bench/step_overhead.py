@@ -231,7 +231,7 @@ def _tree_of(rev: str, into: Path) -> Path:
 def _run_once(tree: Path, steps: int, work: Path, profile: bool, extra: list[str], config: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "child.json"
-    env = dict(os.environ, PYTHONPATH=str(tree), STEP_OVERHEAD_SPAWN=repr(time.time()), RAY_AUTH_MODE="disabled",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])), STEP_OVERHEAD_SPAWN=repr(time.time()), RAY_AUTH_MODE="disabled",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--steps", str(steps),
            "--work", str(work), "--config", config] + (["--profile"] if profile else [])
@@ -343,17 +343,23 @@ def main(argv: list[str] | None = None) -> dict:
         name, _, flags = v.partition("=")
         trees[name] = (head_tree, shlex.split(flags))
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
+    failed: list[str] = []
     for i in range(a.repeats):
         for name, (tree, extra) in trees.items():
             work = tmp / f"{name}_{i}"
-            child = _run_once(tree, a.steps, work, a.profile, extra, a.config)
+            try:
+                child = _run_once(tree, a.steps, work, a.profile, extra, a.config)
+            except RuntimeError as e:  # one failed run (e.g. a variant's engine flag) must not lose the others
+                print(f"[{name} {i}] FAILED: {e}", flush=True)
+                failed.append(f"{name} {i}")
+                continue
             runs[name].append(summarize(child, a.warmup))
             r = runs[name][-1]
             print(f"[{name} {i}] step {r['step_ms/step']:.1f} ms, start-up {r['startup/total_to_loop_s']:.1f} s",
                   flush=True)
             if a.profile and (work / "driver_profile.txt").exists():
                 print((work / "driver_profile.txt").read_text()[:6000])
-    result = {t: _spread(rs) for t, rs in runs.items()}
+    result = {t: _spread(rs) for t, rs in runs.items() if rs}
     for t, parts in result.items():
         print(f"\n== {t} (median [min, max] over {a.repeats} runs)")
         for k, v in parts.items():
@@ -363,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
            "command": "python bench/step_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "config": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "baseline": a.baseline,
                       "variants": a.variant},
-           "metrics": result}
-    if "baseline" in result:
+           "metrics": result, "failed_runs": failed}
+    if "baseline" in result and "head" in result:
         # paired: run i of the baseline and run i of this tree ran back to back (the load of a
         # shared machine drifts over minutes): the median of the pairs' differences, and the spread
         pairs = list(zip(runs["baseline"], runs["head"]))
