@@ -58,13 +58,24 @@ class LauncherSettings(RolloutLoopSettings):
     colocate: bool = flag(False, "trainer ranks and engines share the GPUs (trainer rank i and engine i on GPU i of "
                           "this node; --rollout-num-gpus defaults to the trainer's GPUs): weights go as CUDA IPC "
                           "handles (--update-weight-transport auto -> tensor) and the engines release their KV "
-                          "cache while the trainer trains. On the CPU: the same host, weights through shared memory")
+                          "cache while the trainer trains (--no-offload-rollout: they keep it). On the CPU: the same "
+                          "host, weights through shared memory")
+    offload_rollout: bool | None = flag(None, "with --colocate, the engines release their KV cache while the trainer "
+                                        "trains and take it back after the push (slime's flag; default: on with "
+                                        "--colocate). --no-offload-rollout keeps it in place: a step saves the "
+                                        "engines' pause, release, resume and continue calls, for a trainer that fits "
+                                        "beside the engines' static memory (--sglang-mem-fraction-static)")
     no_plots: bool = flag(False, "skip the PNG plots at the end")
     build_toy_model: bool = flag(False, "build the toy model (scripts/make_toy_model.py) at --hf-checkpoint if it is "
                                  "missing; from a --config file only at examples/toy/model (a mistyped "
                                  "--hf-checkpoint is an error, not a new model)",
                                  action=argparse.BooleanOptionalAction)
     toy_warmup_steps: int = flag(60, "supervised warm-up steps when --build-toy-model builds it")
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """Whether the engines hand their KV cache to the trainer for each training step."""
+        return self.colocate and self.offload_rollout is not False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,6 +92,9 @@ class LauncherSettings(RolloutLoopSettings):
             raise SettingError(("load_debug_rollout_data", "debug_train_only"),
                                "{load_debug_rollout_data} is only read with {debug_train_only}")
         check_bound(self, ">=", 1, "save_interval", "eval_interval")
+        if self.offload_rollout and not self.colocate:
+            raise SettingError(("offload_rollout", "colocate"), "{offload_rollout} hands the engines' memory to the "
+                               "trainer ranks on their GPUs: it needs {colocate}")
         if self.save_interval and not self.save:
             raise SettingError(("save_interval", "save"), "{save_interval} needs {save} (the checkpoint directory)")
 
@@ -350,7 +364,7 @@ def _place_colocated(args: argparse.Namespace) -> None:
             raise ValueError(f"{_COLOCATE}: {_ROLLOUT_GPUS} {args.rollout_num_gpus} must equal the trainer's GPUs, "
                              f"{_TRAINER_GPUS} = {ranks} (each GPU holds a trainer rank and engine ranks), or be "
                              "left out")
-        if args.rollout_engine == "sglang" and not any(a.split("=", 1)[0] == "--enable-memory-saver"
+        if args.rollout_engine == "sglang" and args.offload_rollout is not False and not any(a.split("=", 1)[0] == "--enable-memory-saver"
                                                       for a in args.sglang_args):
             args.sglang_args = [*args.sglang_args, "--enable-memory-saver"]  # else its release frees nothing
     if _engine_device(args) != ("cuda" if args.train_device.startswith("cuda") else "cpu"):

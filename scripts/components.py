@@ -48,7 +48,7 @@ class Run:
         self.start_step = 0
         self.buffer = self.rollout = self.trainer = None
         self.weight_sync_connected = False
-        self.engine_memory = None  # --colocate: hands the engines' GPU memory to the trainer and back
+        self.engine_memory = None  # --colocate (--offload-rollout): hands the engines' GPU memory to the trainer and back
         self._pending: dict[str, float] = {}
         self._commit_at: int | None = None  # no --save: the step whose consumption log_step makes final
         self._fleet_urls = None  # the rollout manager's engine_urls, asked for by train (an ObjectRef)
@@ -148,7 +148,7 @@ class Run:
         self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()),
                                                     name=f"{self.s.buffer_name}-rollout", namespace=NAMESPACE, **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
-        if self.s.colocate and not self.s.debug_rollout_only and self.engine_urls:
+        if self.s.offloads_rollout and not self.s.debug_rollout_only and self.engine_urls:
             from weight_sync.engines import EngineMemory
 
             rollout = self.rollout
@@ -273,10 +273,10 @@ class Run:
         """
         if self.trainer is None:  # --debug-rollout-only
             return
-        if self.engine_memory is not None:  # --colocate: the engines' KV cache goes to the trainer
+        if self.engine_memory is not None:  # --colocate (--offload-rollout): the engines' KV cache goes to the trainer
             with self._timer("perf/release_memory_time"):
                 self.engine_memory.release()
-        if self.weight_sync_connected and self.engine_memory is None:
+        if self.weight_sync_connected and not self.s.colocate:
             # the fleet's URLs for the push that follows, asked for now: the answer travels while the
             # ranks train instead of costing the push a round trip of its own. An engine added
             # meanwhile gets the next push (the fleet admits engines only at its weight version)
@@ -308,7 +308,7 @@ class Run:
 
         from rollout_manager.engines import engine_gpus
 
-        if self.engine_memory is not None:  # --colocate: a fixed fleet, one engine per trainer GPU
+        if self.s.colocate:  # a fixed fleet, one engine per trainer GPU
             return
         asked, self._fleet_urls = self._fleet_urls, None
         urls = ray.get(asked if asked is not None else self.rollout.engine_urls.remote())

@@ -85,6 +85,8 @@ def gpus(monkeypatch):
     (2, ["--train-device", "cuda", "--update-weight-backend", "nccl"],
      "--update-weight-backend nccl: the engines run on the CPU (--rollout-num-gpus 0"),
     (0, ["--update-weight-backend", "nccl"], "--update-weight-backend nccl: the trainer runs on the CPU"),
+    (0, ["--offload-rollout"], "--offload-rollout hands the engines' memory to the trainer ranks on their GPUs: it "
+                               "needs --colocate"),
     (0, ["--update-weight-load-format", "mapped"], "--update-weight-load-format mapped hands the engines handles "
                                                    "they keep mapped, which needs --colocate"),
     (1, ["--train-device", "cuda", "--rollout-num-gpus", "1"],
@@ -126,6 +128,9 @@ def test_colocation_derives_the_engines_gpus_and_placement(base, gpus):
     args = parse_args(base + ["--colocate", "--train-device", "cuda", "--rollout-engine", "sglang",
                               "--sglang-mem-fraction-static", "0.4"])
     assert args.sglang_args == ["--mem-fraction-static", "0.4", "--enable-memory-saver"]  # else release frees nothing
+    args = parse_args(base + ["--colocate", "--train-device", "cuda", "--rollout-engine", "sglang",
+                              "--sglang-mem-fraction-static", "0.4", "--no-offload-rollout"])
+    assert args.sglang_args == ["--mem-fraction-static", "0.4"]  # nothing released: SGLang's allocator as it is
 
 
 def test_a_mapped_colocated_run_lays_the_torch_trainers_parameters_flat(base, gpus):
@@ -372,6 +377,25 @@ def test_colocated_run_on_the_cpu_survives_losing_its_only_engine(toy_model_dir,
 
     trained = [g[0].group_index for step in range(4) for g in read_parquet(out / f"dump_{step}.parquet")]
     assert sorted(trained) == list(range(16)), trained
+
+
+def test_colocated_run_without_offload_rollout_keeps_the_engines_memory(toy_model_dir, tmp_path):
+    """--colocate --no-offload-rollout (slime's flag): the engines keep their KV cache through the
+    training step (no pause, release, resume or continue around it: no ``perf/release_memory_time``
+    or ``perf/resume_memory_time``), and the run is otherwise the colocated one: every push checked
+    against the trainer's tensors, the rollouts of step k on version k."""
+    out = tmp_path / "kept"
+    records, stdout = _train(toy_model_dir, out, "examples/toy/grpo_cpu.yaml", "--colocate", "--no-offload-rollout",
+                             "--num-rollout", "2", "--rollout-num-engines", "1", "--rollout-batch-size", "4",
+                             "--n-samples-per-prompt", "2", "--eval-interval", "2", "--skip-eval-before-train",
+                             "--check-weight-update-equal")
+    assert "weight sync: tensor" in stdout
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    assert not any(k in r for r in steps for k in ("perf/release_memory_time", "perf/resume_memory_time"))
+    assert all(r["weight_sync/check_s"] > 0 and r["weight_sync/version"] == r["step"] + 1 for r in steps)
+    assert all(r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] for r in steps)
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [2]
 
 
 @pytest.mark.gpu
