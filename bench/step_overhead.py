@@ -231,7 +231,9 @@ def _tree_of(rev: str, into: Path) -> Path:
 def _run_once(tree: Path, steps: int, work: Path, profile: bool, extra: list[str], config: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "child.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])), STEP_OVERHEAD_SPAWN=repr(time.time()), RAY_AUTH_MODE="disabled",
+    # the tree first; the caller's path after it (on a GPU machine SGLang, Ray and megatron come from there)
+    path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONPATH=path, STEP_OVERHEAD_SPAWN=repr(time.time()), RAY_AUTH_MODE="disabled",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--steps", str(steps),
            "--work", str(work), "--config", config] + (["--profile"] if profile else [])

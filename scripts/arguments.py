@@ -364,8 +364,8 @@ def _place_colocated(args: argparse.Namespace) -> None:
             raise ValueError(f"{_COLOCATE}: {_ROLLOUT_GPUS} {args.rollout_num_gpus} must equal the trainer's GPUs, "
                              f"{_TRAINER_GPUS} = {ranks} (each GPU holds a trainer rank and engine ranks), or be "
                              "left out")
-        if args.rollout_engine == "sglang" and args.offload_rollout is not False and not any(a.split("=", 1)[0] == "--enable-memory-saver"
-                                                      for a in args.sglang_args):
+        saver = any(a.split("=", 1)[0] == "--enable-memory-saver" for a in args.sglang_args)
+        if args.rollout_engine == "sglang" and args.offload_rollout is not False and not saver:
             args.sglang_args = [*args.sglang_args, "--enable-memory-saver"]  # else its release frees nothing
     if _engine_device(args) != ("cuda" if args.train_device.startswith("cuda") else "cpu"):
         raise ValueError(f"{_COLOCATE}: the trainer ({_TRAIN_DEVICE} {args.train_device}) and the engines "
