@@ -48,7 +48,7 @@ class Run:
         self.start_step = 0
         self.buffer = self.rollout = self.trainer = None
         self.weight_sync_connected = False
-        self.engine_memory = None  # --colocate (--offload-rollout): hands the engines' GPU memory to the trainer and back
+        self.engine_memory = None  # --colocate, --offload-rollout: the engines' GPU memory to the trainer and back
         self._pending: dict[str, float] = {}
         self._commit_at: int | None = None  # no --save: the step whose consumption log_step makes final
         self._fleet_urls = None  # the rollout manager's engine_urls, asked for by train (an ObjectRef)
