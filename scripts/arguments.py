@@ -72,11 +72,6 @@ class LauncherSettings(RolloutLoopSettings):
                                  action=argparse.BooleanOptionalAction)
     toy_warmup_steps: int = flag(60, "supervised warm-up steps when --build-toy-model builds it")
 
-    @property
-    def offloads_rollout(self) -> bool:
-        """Whether the engines hand their KV cache to the trainer for each training step."""
-        return self.colocate and self.offload_rollout is not False
-
     def __post_init__(self) -> None:
         super().__post_init__()
         wandb = [f for f in ("wandb_project", "wandb_group", "wandb_key") if getattr(self, f)]
@@ -356,6 +351,8 @@ def _place_colocated(args: argparse.Namespace) -> None:
                          "node); a Ray placement group would reserve whole GPUs for them: drop "
                          f"{flag_of(EngineFleetSettings, 'rollout_engine_placement')} ray")
     args.rollout_engine_placement = "local"
+    if args.offload_rollout is None:
+        args.offload_rollout = True  # slime's default with --colocate: the engines release their KV cache
     if args.train_device.startswith("cuda"):
         ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
         if args.rollout_num_gpus == 0:
@@ -365,7 +362,7 @@ def _place_colocated(args: argparse.Namespace) -> None:
                              f"{_TRAINER_GPUS} = {ranks} (each GPU holds a trainer rank and engine ranks), or be "
                              "left out")
         saver = any(a.split("=", 1)[0] == "--enable-memory-saver" for a in args.sglang_args)
-        if args.rollout_engine == "sglang" and args.offload_rollout is not False and not saver:
+        if args.rollout_engine == "sglang" and args.offload_rollout and not saver:
             args.sglang_args = [*args.sglang_args, "--enable-memory-saver"]  # else its release frees nothing
     if _engine_device(args) != ("cuda" if args.train_device.startswith("cuda") else "cpu"):
         raise ValueError(f"{_COLOCATE}: the trainer ({_TRAIN_DEVICE} {args.train_device}) and the engines "

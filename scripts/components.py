@@ -148,7 +148,7 @@ class Run:
         self.rollout = create_rollout_manager_actor(rs, self.args, str((self.output_dir / "logs").resolve()),
                                                     name=f"{self.s.buffer_name}-rollout", namespace=NAMESPACE, **here)
         self.engine_urls = ray.get(self.rollout.start.remote())
-        if self.s.offloads_rollout and not self.s.debug_rollout_only and self.engine_urls:
+        if self.s.offload_rollout and not self.s.debug_rollout_only and self.engine_urls:
             from weight_sync.engines import EngineMemory
 
             rollout = self.rollout
